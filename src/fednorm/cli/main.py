@@ -1,0 +1,152 @@
+"""The ``fednorm`` command: run, resume and report experiments; list methods."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from ..data.domain import DataError
+from ..methods.aggregation import UpdateError
+from ..methods.presets import PRESETS
+from ..runs.config import ConfigError, load_config, preset_names
+from ..runs.report import ResultsTable, build_table, read_summaries
+from ..runs.runner import RunError, load_run_config, resume_run, start_run
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+console = Console()
+err_console = Console(stderr=True)
+
+_USER_ERRORS = (ConfigError, DataError, RunError, UpdateError, FloatingPointError)
+
+
+def _fail(exc: Exception) -> None:
+    err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+    raise typer.Exit(code=2)
+
+
+def _print_table(table: ResultsTable, title: str) -> None:
+    rows = table.text_rows()
+    t = Table(title=title, show_lines=False)
+    for i, head in enumerate(rows[0]):
+        t.add_column(head, justify="left" if i == 0 else "right")
+    for row in rows[1:]:
+        t.add_row(*row, style="dim" if row[0].strip() == "paper" else None)
+    console.print(t)
+    if table.footnote():
+        console.print(table.footnote(), style="italic")
+
+
+class _Progress:
+    """A rich progress bar over every round of every (method, seed) cell."""
+
+    def __init__(self, total: int, quiet: bool) -> None:
+        self.bar = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=console, disable=quiet,
+        )
+        self.task = self.bar.add_task("rounds", total=total, info="")
+        self.done: dict[tuple[str, int], int] = {}
+
+    def __call__(self, label: str, seed: int, rnd: int, rounds: int, last: dict) -> None:
+        key = (label, seed)
+        advance = max(0, rnd - self.done.get(key, 0))
+        self.done[key] = max(rnd, self.done.get(key, 0))
+        info = " ".join(f"{k}={v:.3f}" for k, v in last.items())
+        self.bar.update(self.task, advance=advance, description=f"{label} seed {seed}", info=info)
+
+
+def _finish(run_dir: Path, results, config) -> None:
+    table = build_table([r.summary for r in results], paper=config.paper)
+    _print_table(table, f"{config.name}: test accuracy (%) after round {config.federation.rounds}, mean (std) over seeds")
+    console.print(f"run folder: {run_dir}  (results.md, comparison.png, <method>/seed<k>/metrics.jsonl)")
+
+
+@app.command()
+def run(
+    config: Optional[str] = typer.Argument(None, help="YAML config file or preset name (default: the 'default' preset)"),
+    set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. --set federation.rounds=5"),
+    out: Optional[Path] = typer.Option(None, "--out", help="run folder (default: runs/<name>-<time>)"),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder (else FEDNORM_DATA, else the user cache)"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+) -> None:
+    """Run an experiment: every method x seed of the config, into a run folder."""
+    try:
+        cfg = load_config(config, set_)
+        run_dir = out or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        console.print(f"[bold]{cfg.name}[/]: {cfg.description or ''}", highlight=False)
+        progress = _Progress(cfg.federation.rounds * len(cfg.methods) * len(cfg.seeds), quiet)
+        with progress.bar:
+            results = start_run(cfg, run_dir, data_dir=data_dir, progress=progress)
+    except _USER_ERRORS as exc:
+        _fail(exc)
+    _finish(run_dir, results, cfg)
+
+
+@app.command()
+def resume(
+    run_dir: Path = typer.Argument(..., help="a run folder written by `fednorm run`"),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder, if it moved since the run started"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+) -> None:
+    """Continue a stopped run from its last checkpoints; the results equal an uninterrupted run."""
+    try:
+        cfg = load_run_config(run_dir)
+        progress = _Progress(cfg.federation.rounds * len(cfg.methods) * len(cfg.seeds), quiet)
+        with progress.bar:
+            results = resume_run(run_dir, data_dir=data_dir, progress=progress)
+    except _USER_ERRORS as exc:
+        _fail(exc)
+    _finish(run_dir, results, cfg)
+
+
+@app.command()
+def report(
+    run_dirs: list[Path] = typer.Argument(..., help="run folders (or cell folders) to combine"),
+    best: bool = typer.Option(False, "--best", help="best test accuracy over rounds instead of the final one"),
+    markdown: bool = typer.Option(False, "--markdown", help="print a markdown table"),
+) -> None:
+    """Mean (std) over seeds per client and on average, in the papers' table layout."""
+    summaries, paper = [], {}
+    for d in run_dirs:
+        if not d.exists():
+            _fail(RunError(f"{d} does not exist"))
+        found = read_summaries(d)
+        if not found:
+            _fail(RunError(f"{d} holds no finished cell (no summary.json); finish it with `fednorm resume {d}`"))
+        summaries += found
+        try:
+            paper.update(load_run_config(d).paper or {})
+        except (RunError, ConfigError):
+            pass
+    table = build_table(summaries, paper=paper or None, metric="best_acc" if best else "final_acc")
+    which = "best" if best else "final"
+    if markdown:
+        console.print(table.markdown(), highlight=False, markup=False)
+    else:
+        _print_table(table, f"test accuracy (%), {which}, mean (std) over seeds")
+
+
+@app.command()
+def methods() -> None:
+    """List the methods, one line each."""
+    for name, m in PRESETS.items():
+        console.print(f"[bold]{name:12s}[/] {m.summary}  [dim]({m.paper}; policy {m.policy})[/]", highlight=False)
+
+
+@app.command()
+def presets() -> None:
+    """List the experiment presets shipped with fednorm."""
+    from ..runs.config import load_config as _load
+
+    for name in preset_names():
+        console.print(f"[bold]{name:14s}[/] {_load(name).description}", highlight=False)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,92 @@
+"""Build a federation's clients from domain names: real digit files or rendered styles.
+
+Domain names: ``mnist``, ``mnistm``, ``usps``, ``semeion`` (real, read from the data folder), and
+``rendered/<style>`` (procedurally rendered, built in memory, no file needed). Every domain goes
+through the same FedBN digits protocol (:mod:`fednorm.data.protocol`): stratified 80/20 split,
+training pool of 7,438, ten partitions, ``percent`` of the pool per client.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .domain import ClientData, DataError, Split
+from .protocol import fedbn_domain_clients
+
+RENDERED_PREFIX = "rendered/"
+# Rendered pools default to USPS's size (7,291 + 2,007 = 9,298), so the 80/20 split gives exactly
+# the FedBN training pool of 7,438 and a test set of 1,860.
+DEFAULT_RENDERED_SIZE = 9298
+
+
+def is_rendered(domain: str) -> bool:
+    return domain.startswith(RENDERED_PREFIX)
+
+
+def known_domains() -> list[str]:
+    from .digits import REAL_DIGIT_DOMAINS
+    from .rendered import RENDER_STYLES
+
+    return list(REAL_DIGIT_DOMAINS) + [RENDERED_PREFIX + s for s in RENDER_STYLES]
+
+
+def check_domain(domain: str) -> str:
+    if domain not in known_domains():
+        raise ValueError(f"unknown domain {domain!r}; choose from {', '.join(known_domains())}")
+    return domain
+
+
+def load_pool(domain: str, *, data_dir: Path | None, rendered_size: int = DEFAULT_RENDERED_SIZE, seed: int = 0):
+    """All images and labels of one domain, at 3 x 28 x 28 uint8."""
+    check_domain(domain)
+    if is_rendered(domain):
+        from .rendered import rendered_domain
+
+        return rendered_domain(domain[len(RENDERED_PREFIX):], n=rendered_size, seed=seed)
+    from .digits import load_digit_pool
+
+    if data_dir is None:
+        raise DataError(f"domain {domain!r} needs a data folder: pass --data-dir DIR or set FEDNORM_DATA")
+    return load_digit_pool(domain, Path(data_dir))
+
+
+def build_clients(
+    domains: list[str],
+    *,
+    data_dir: Path | None,
+    percent: float = 0.1,
+    clients_per_domain: int = 1,
+    pool_size: int = 7438,
+    split_seed: int = 0,
+    rendered_size: int = DEFAULT_RENDERED_SIZE,
+) -> list[ClientData]:
+    """The clients of a multi-domain federation, in domain order."""
+    if not domains:
+        raise ValueError("a federation needs at least one domain")
+    if len(set(domains)) != len(domains):
+        raise ValueError(f"domains must be distinct, got {domains}")
+    clients: list[ClientData] = []
+    for domain in domains:
+        x, y = load_pool(domain, data_dir=data_dir, rendered_size=rendered_size, seed=split_seed)
+        clients += fedbn_domain_clients(
+            domain,
+            x,
+            y,
+            percent=percent,
+            clients_per_domain=clients_per_domain,
+            pool_size=pool_size,
+            seed=split_seed,
+            origin="rendered" if is_rendered(domain) else "real",
+        )
+    return clients
+
+
+def pooled_client(clients: list[ClientData], name: str = "centralized") -> ClientData:
+    """One client holding every client's training data (centralized training, the upper reference)."""
+    return ClientData(
+        name=name,
+        domain="pooled",
+        train=Split.concat([c.train for c in clients]),
+        test=Split.concat([c.test for c in clients]),
+        origin="pooled",
+    )

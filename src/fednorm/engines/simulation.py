@@ -1,0 +1,207 @@
+"""In-process federation: every client trains in turn on one shared working model.
+
+Memory grows with the model plus the per-client local state, not with clients x model: the server
+holds one global state; a client holds only the entries its method's policy keeps local (a few
+kilobytes of BN state for FedBN), plus its optimizer state when the optimizer is persistent.
+
+Random streams (mini-batch order, dropout, client sampling) are derived from (seed, round, client),
+never drawn in execution order, so results do not depend on the order clients run in, nor on a
+resume from a checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data.domain import ClientData, Split
+from ..methods.aggregation import WeightedMean, client_weights
+from ..methods.local_update import LocalResult, LocalTraining, train_locally
+from ..methods.policy import local_state_keys
+from ..methods.presets import Method
+
+_SAMPLING_STREAM = 1
+_CLIENT_STREAM = 2
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed that depends only on ``parts`` (seed, round, client, stream...)."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint64)[0] >> 1)
+
+
+@dataclass(frozen=True)
+class Federation:
+    """How the engine runs rounds, independent of the method."""
+
+    seed: int = 0
+    fraction: float = 1.0  # share of clients sampled each round (seeded per round)
+    weighting: str = "samples"  # aggregation weights: "samples" (n_k / n) or "uniform" (1 / K)
+    persistent_optimizer: bool = False  # keep each client's optimizer state (momentum) across rounds
+    eval_batch_size: int = 500
+    channels_last: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    client: str
+    split: str
+    accuracy: float
+    loss: float
+    num_examples: int
+
+
+class InProcessEngine:
+    """Runs a :class:`Method` over clients, one round at a time, in this process."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        clients: list[ClientData],
+        method: Method,
+        training: LocalTraining,
+        federation: Federation,
+        prepare: Callable[[torch.Tensor], torch.Tensor],
+        eval_clients: list[ClientData] | None = None,
+    ) -> None:
+        if not clients:
+            raise ValueError("a federation needs at least one client")
+        names = [c.name for c in clients]
+        if len(set(names)) != len(names):
+            raise ValueError(f"client names must be unique, got {names}")
+        self.model = model.to(memory_format=torch.channels_last) if federation.channels_last else model
+        self.clients = clients
+        self.eval_clients = eval_clients if eval_clients is not None else clients
+        self.method = method
+        self.training = training
+        self.federation = federation
+        self.prepare = self._with_layout(prepare)
+        self.local_keys = local_state_keys(self.model, method.policy)
+        state = self.model.state_dict()
+        self.shared_keys = [k for k in state if k not in self.local_keys]
+        self.global_state: dict[str, torch.Tensor] = {k: v.detach().clone() for k, v in state.items()}
+        self.local_states: dict[str, dict[str, torch.Tensor]] = {}
+        self.optimizer_states: dict[str, dict] = {}
+        self.round = 0  # rounds completed
+        self._index = {c.name: i for i, c in enumerate(clients)}
+
+    def _with_layout(self, prepare):
+        if not self.federation.channels_last:
+            return prepare
+        return lambda x: prepare(x).contiguous(memory_format=torch.channels_last)
+
+    # ---------------------------------------------------------------- rounds
+    def sample_clients(self, round_index: int) -> list[ClientData]:
+        """The clients taking part in ``round_index``: all, or a seeded fraction (sorted by position)."""
+        n = len(self.clients)
+        if self.federation.fraction >= 1:
+            return list(self.clients)
+        m = max(1, round(self.federation.fraction * n))
+        rng = np.random.default_rng(derive_seed(self.federation.seed, round_index, _SAMPLING_STREAM))
+        chosen = np.sort(rng.choice(n, size=m, replace=False))
+        return [self.clients[i] for i in chosen]
+
+    def load_client(self, name: str) -> None:
+        """Put client ``name``'s model (global state plus its own local state) into the working model."""
+        self.model.load_state_dict({**self.global_state, **self.local_states.get(name, {})})
+
+    def run_round(self) -> dict[str, LocalResult]:
+        """One communication round: local training of the sampled clients, then aggregation."""
+        r = self.round
+        participants = self.sample_clients(r)
+        weights = client_weights([c.num_train for c in participants], self.federation.weighting)
+        aggregator = WeightedMean({k: self.global_state[k] for k in self.shared_keys}) if self.shared_keys else None
+        prox_reference = None
+        if self.method.prox_mu > 0:
+            params = {n for n, _ in self.model.named_parameters()}
+            prox_reference = {k: self.global_state[k] for k in self.shared_keys if k in params}
+        results: dict[str, LocalResult] = {}
+        for client, weight in zip(participants, weights):
+            seed = derive_seed(self.federation.seed, r, self._index[client.name], _CLIENT_STREAM)
+            torch.manual_seed(seed)  # dropout and any other sampling inside the model
+            generator = torch.Generator().manual_seed(seed)
+            self.load_client(client.name)
+            result, optimizer_state = train_locally(
+                self.model,
+                client.train,
+                self.training,
+                generator=generator,
+                prepare=self.prepare,
+                prox_reference=prox_reference,
+                prox_mu=self.method.prox_mu,
+                optimizer_state=self.optimizer_states.get(client.name),
+            )
+            if self.federation.persistent_optimizer:
+                self.optimizer_states[client.name] = optimizer_state
+            state = self.model.state_dict()
+            if self.local_keys:
+                self.local_states[client.name] = {k: state[k].detach().clone() for k in self.local_keys}
+            if aggregator is not None:
+                aggregator.add({k: state[k] for k in self.shared_keys}, weight, client.name)
+            results[client.name] = result
+        if aggregator is not None:
+            self.global_state.update(aggregator.result())
+        self.round += 1
+        return results
+
+    # ---------------------------------------------------------------- evaluation
+    @torch.inference_mode()
+    def evaluate_split(self, data: Split) -> tuple[float, float]:
+        """(accuracy, mean cross-entropy) of the working model on ``data``, in eval mode."""
+        self.model.eval()
+        correct, loss_sum = 0, 0.0
+        use_bf16 = self.training.precision == "bf16"
+        for start in range(0, len(data), self.federation.eval_batch_size):
+            x = self.prepare(data.x[start : start + self.federation.eval_batch_size])
+            y = data.y[start : start + self.federation.eval_batch_size]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
+                logits = self.model(x).float()
+            loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+            correct += int((logits.argmax(1) == y).sum())
+        n = max(len(data), 1)
+        return correct / n, loss_sum / n
+
+    def evaluate(self, splits: Iterable[str] = ("test", "val")) -> list[Evaluation]:
+        """Every evaluation client's metrics with its own model (global state plus its local state)."""
+        out: list[Evaluation] = []
+        for client in self.eval_clients:
+            self.load_client(client.name)
+            for split in splits:
+                data = getattr(client, split)
+                if data is None or len(data) == 0:
+                    continue
+                acc, loss = self.evaluate_split(data)
+                out.append(Evaluation(client.name, split, acc, loss, len(data)))
+        return out
+
+    # ---------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        return {
+            "round": self.round,
+            "global_state": self.global_state,
+            "local_states": self.local_states,
+            "optimizer_states": self.optimizer_states,
+            "local_keys": sorted(self.local_keys),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if sorted(self.local_keys) != state["local_keys"]:
+            raise ValueError(
+                "checkpoint was written by a method with a different norm state policy; "
+                "resume it with the config it was started with"
+            )
+        missing = set(self.global_state) ^ set(state["global_state"])
+        if missing:
+            raise ValueError(f"checkpoint does not match the model: differing entries {sorted(missing)[:5]}")
+        self.round = int(state["round"])
+        self.global_state = state["global_state"]
+        self.local_states = state["local_states"]
+        self.optimizer_states = state["optimizer_states"]

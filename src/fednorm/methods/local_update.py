@@ -1,0 +1,151 @@
+"""Client update: local SGD on the client's own data, with the optional FedProx proximal term.
+
+One round of local training runs ``epochs`` passes over the client's data in shuffled mini-batches,
+or, when ``steps`` is set, exactly that many mini-batches, reshuffling and starting a new pass
+whenever the data run out (FedBN App. E.6: clients with less data repeat sampling so that all
+clients run the same number of local iterations).
+
+FedProx (Li et al. 2020) adds (mu / 2) * ||w - w_global||^2 to the local loss, w_global being the
+weights the client received at the start of the round. The term covers the trainable parameters
+that the server aggregates under the method's norm state policy: all of them for FedProx, all but
+the BatchNorm parameters for FedProx + FedBN (local BN parameters have no global counterpart).
+Buffers (BN statistics) are not parameters and are never in the term. It is applied from the first
+step of the first round, as the paper states; FedBN's official code skips the first step of each
+epoch and the whole first round, and uses the non-squared norm in its Office/DomainNet scripts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..data.domain import Split
+
+
+@dataclass(frozen=True)
+class LocalTraining:
+    """Hyper-parameters of a client's local SGD."""
+
+    epochs: int = 1
+    steps: int | None = None
+    batch_size: int = 32
+    lr: float = 0.01
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    drop_last: bool = False
+    precision: str = "fp32"  # "bf16": autocast matmuls/convs to bfloat16 (AMX); weights stay fp32
+
+
+@dataclass
+class LocalResult:
+    """What a round of local training reports besides the new weights."""
+
+    loss_sum: float
+    num_examples: int
+    num_steps: int
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / max(self.num_examples, 1)
+
+
+def has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, _BatchNorm) for m in model.modules())
+
+
+def batch_schedule(
+    n: int, cfg: LocalTraining, generator: torch.Generator, guard_single: bool
+) -> list[torch.Tensor]:
+    """Index tensors of the round's mini-batches, in order.
+
+    With ``guard_single`` (the model has BatchNorm), a trailing batch of one sample is dropped:
+    BatchNorm cannot compute batch statistics from one sample in training mode.
+    """
+    if n == 0:
+        raise ValueError("client has no training data")
+    batches: list[torch.Tensor] = []
+
+    def one_pass() -> list[torch.Tensor]:
+        order = torch.randperm(n, generator=generator)
+        parts = list(torch.split(order, cfg.batch_size))
+        if parts and (cfg.drop_last and len(parts[-1]) < cfg.batch_size and len(parts) > 1):
+            parts.pop()
+        if parts and guard_single and len(parts[-1]) == 1:
+            if len(parts) == 1:
+                raise ValueError(
+                    "a BatchNorm model cannot train on a client with a single sample per batch; "
+                    "use batch_size >= 2 or a model without BatchNorm (norm: gn/ln/none)"
+                )
+            parts.pop()
+        return parts
+
+    if cfg.steps is None:
+        for _ in range(cfg.epochs):
+            batches.extend(one_pass())
+    else:
+        while len(batches) < cfg.steps:
+            batches.extend(one_pass())
+        batches = batches[: cfg.steps]
+    return batches
+
+
+def train_locally(
+    model: nn.Module,
+    data: Split,
+    cfg: LocalTraining,
+    *,
+    generator: torch.Generator,
+    prepare: Callable[[torch.Tensor], torch.Tensor],
+    prox_reference: dict[str, torch.Tensor] | None = None,
+    prox_mu: float = 0.0,
+    optimizer_state: dict | None = None,
+) -> tuple[LocalResult, dict]:
+    """Train ``model`` in place on ``data``; return the loss statistics and the optimizer state.
+
+    ``prepare`` turns a uint8 batch into the model's float input. ``prox_reference`` maps parameter
+    names to the round's global weights, pulled on with strength ``prox_mu`` (FedProx); ``optimizer_state`` restores a persistent
+    optimizer (momentum buffers) and the returned state is the one to keep for the next round.
+    """
+    model.train()
+    params = dict(model.named_parameters())
+    optimizer = torch.optim.SGD(
+        params.values(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+    )
+    if optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)
+    prox = []
+    if prox_mu > 0 and prox_reference:
+        prox = [(params[name], ref) for name, ref in prox_reference.items() if name in params]
+    use_bf16 = cfg.precision == "bf16"
+    loss_sum, seen = 0.0, 0
+    schedule = batch_schedule(len(data), cfg, generator, guard_single=has_batchnorm(model))
+    for index in schedule:
+        x = prepare(data.x[index])
+        y = data.y[index]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float(), y)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise FloatingPointError(
+                f"local training loss became {value} after {seen} samples: lower the learning rate "
+                f"(now {cfg.lr}) or check the client's data"
+            )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if prox:
+            # gradient of (mu/2)||w - w_g||^2 is mu (w - w_g); added exactly, without building the term
+            with torch.no_grad():
+                for p, ref in prox:
+                    if p.grad is not None:
+                        p.grad.add_(p.detach() - ref, alpha=prox_mu)
+        optimizer.step()
+        loss_sum += value * len(index)
+        seen += len(index)
+    return LocalResult(loss_sum, seen, len(schedule)), optimizer.state_dict()

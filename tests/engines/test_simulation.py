@@ -1,0 +1,196 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fednorm.data.domain import ClientData, normalize_batch
+from fednorm.engines.simulation import Federation, InProcessEngine, derive_seed
+from fednorm.methods import LocalTraining, resolve_method, train_locally
+from fednorm.models import DigitCNN
+
+from ..conftest import make_split
+
+TRAIN = LocalTraining(batch_size=8, lr=0.05)
+
+
+def engine(clients, method, *, model=None, seed=0, training=TRAIN, **fed):
+    torch.manual_seed(123)
+    model = model if model is not None else DigitCNN(width=0.125)
+    return InProcessEngine(model, clients, resolve_method(method), training,
+                           Federation(seed=seed, channels_last=False, **fed), normalize_batch)
+
+
+def trained_alone(eng, client, round_index=0):
+    """What ``client`` computes in ``round_index`` from the engine's current state, recomputed by hand."""
+    model = copy.deepcopy(eng.model)
+    model.load_state_dict({**eng.global_state, **eng.local_states.get(client.name, {})})
+    seed = derive_seed(eng.federation.seed, round_index, eng._index[client.name], 2)
+    torch.manual_seed(seed)
+    train_locally(model, client.train, eng.training, generator=torch.Generator().manual_seed(seed),
+                  prepare=normalize_batch)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedbn", "silobn"])
+def test_round_averages_exactly_the_shared_state_and_keeps_the_rest_local(tiny_clients, method):
+    eng = engine(tiny_clients, method, weighting="samples")
+    expected = {c.name: trained_alone(eng, c) for c in tiny_clients}
+    eng.run_round()
+    n = torch.tensor([c.num_train for c in tiny_clients], dtype=torch.float64)
+    p = n / n.sum()
+    for key in eng.shared_keys:
+        values = [expected[c.name][key] for c in tiny_clients]
+        if values[0].is_floating_point():
+            mean = sum(w * v.double() for w, v in zip(p, values)).float()
+            torch.testing.assert_close(eng.global_state[key], mean, rtol=1e-5, atol=1e-6)
+        else:  # counters: never averaged as floats
+            assert eng.global_state[key].dtype == torch.long
+            assert int(eng.global_state[key]) == max(int(v) for v in values)
+    for c in tiny_clients:
+        assert set(eng.local_states.get(c.name, {})) == set(eng.local_keys)
+        for key in eng.local_keys:
+            torch.testing.assert_close(eng.local_states[c.name][key], expected[c.name][key])
+
+
+def test_fedbn_clients_evaluate_with_their_own_bn_and_fedavg_with_one_model(tiny_clients):
+    eng = engine(tiny_clients, "fedbn")
+    eng.run_round()
+    running = [eng.local_states[c.name]["features.1.running_mean"] for c in tiny_clients]
+    assert not torch.allclose(running[0], running[2])  # domains shifted in brightness
+    eng.load_client("c2")
+    torch.testing.assert_close(eng.model.features[1].running_mean, running[2])
+    avg = engine(tiny_clients, "fedavg")
+    avg.run_round()
+    assert avg.local_states == {}
+
+
+def test_fedbn_with_one_client_equals_local_training(tiny_clients):
+    one = [tiny_clients[0]]
+    fedbn, single = engine(one, "fedbn"), engine(one, "singleset")
+    model = copy.deepcopy(fedbn.model)
+    for r in range(3):
+        fedbn.run_round()
+        single.run_round()
+        seed = derive_seed(0, r, 0, 2)
+        torch.manual_seed(seed)
+        train_locally(model, one[0].train, TRAIN, generator=torch.Generator().manual_seed(seed), prepare=normalize_batch)
+    fedbn.load_client("c0")
+    single.load_client("c0")
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(fedbn.model.state_dict()[key], value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(single.model.state_dict()[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_fedavg_one_full_batch_step_on_identical_clients_equals_centralized_sgd():
+    data = make_split(24, seed=7)
+    clients = [ClientData(f"c{i}", "same", data, data) for i in range(3)]
+    full = LocalTraining(batch_size=24, lr=0.1)
+    eng = engine(clients, "fedavg", training=full)
+    central = copy.deepcopy(eng.model)
+    eng.run_round()
+    pooled = ClientData("pooled", "same", type(data).concat([data] * 3), data)
+    torch.manual_seed(0)
+    train_locally(central, pooled.train, LocalTraining(batch_size=72, lr=0.1), generator=torch.Generator(),
+                  prepare=normalize_batch)
+    for key, value in central.state_dict().items():
+        # running_var is excepted: BN stores the unbiased batch variance, n/(n-1), which depends on batch size
+        if value.is_floating_point() and not key.endswith("running_var"):
+            torch.testing.assert_close(eng.global_state[key], value, rtol=1e-4, atol=1e-6)
+
+
+def test_fedavg_one_full_batch_step_on_different_clients_equals_centralized_sgd(tiny_clients):
+    # Without batch-dependent layers (GroupNorm model) and sample weighting, one full-batch local step per
+    # client averaged is exactly one full-batch gradient step on the union of the clients' data.
+    model = DigitCNN(width=0.25, norm="gn")
+    eng = engine(tiny_clients, "fedavg", model=model, weighting="samples",
+                 training=LocalTraining(batch_size=1000, lr=0.1))
+    central = copy.deepcopy(eng.model)
+    eng.run_round()
+    union = type(tiny_clients[0].train).concat([c.train for c in tiny_clients])
+    train_locally(central, union, LocalTraining(batch_size=1000, lr=0.1), generator=torch.Generator(),
+                  prepare=normalize_batch)
+    for key, value in central.state_dict().items():
+        torch.testing.assert_close(eng.global_state[key], value, rtol=1e-4, atol=1e-6)
+
+
+def test_fedprox_reference_covers_only_shared_parameters(tiny_clients, monkeypatch):
+    seen = {}
+    import fednorm.engines.simulation as sim
+
+    real = sim.train_locally
+
+    def spy(*args, **kwargs):
+        seen["keys"] = set(kwargs["prox_reference"])
+        seen["mu"] = kwargs["prox_mu"]
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sim, "train_locally", spy)
+    eng = InProcessEngine(DigitCNN(width=0.125), tiny_clients, resolve_method("fedbn", prox_mu=0.01), TRAIN,
+                          Federation(channels_last=False), normalize_batch)
+    eng.run_round()
+    params = {n for n, _ in eng.model.named_parameters()}
+    assert seen["mu"] == 0.01
+    assert seen["keys"] == params - set(eng.local_keys)
+    assert not any(k.startswith("features.1.") for k in seen["keys"])
+
+
+def test_same_seed_same_numbers_and_client_order_does_not_matter(tiny_clients):
+    a = engine(tiny_clients, "fedbn", weighting="uniform")
+    b = engine(tiny_clients, "fedbn", weighting="uniform")
+    for _ in range(2):
+        a.run_round()
+        b.run_round()
+    for k in a.global_state:
+        assert torch.equal(a.global_state[k], b.global_state[k])
+    # the same clients listed in another order: each keeps its stream, so its local state is the same
+    reordered = engine(list(reversed(tiny_clients)), "fedbn", weighting="uniform")
+    reordered._index = a._index  # client identity, not list position, defines its random stream
+    first = engine(tiny_clients, "fedbn", weighting="uniform")
+    first.run_round()
+    reordered.run_round()
+    for k in a.shared_keys:  # equal up to the float rounding of the weighted sum's order
+        torch.testing.assert_close(first.global_state[k], reordered.global_state[k], rtol=1e-5, atol=1e-6)
+    for name in first.local_states:
+        for k, v in first.local_states[name].items():
+            assert torch.equal(v, reordered.local_states[name][k])
+    other = engine(tiny_clients, "fedbn", seed=1)
+    other.run_round()
+    a2 = engine(tiny_clients, "fedbn")
+    a2.run_round()
+    assert not torch.equal(other.global_state["features.0.weight"], a2.global_state["features.0.weight"])
+
+
+def test_client_sampling_is_seeded_per_round():
+    clients = [ClientData(f"c{i}", "d", make_split(4, i), make_split(4, i)) for i in range(20)]
+    e1 = engine(clients, "fedavg", fraction=0.25)
+    e2 = engine(clients, "fedavg", fraction=0.25)
+    picks = [[c.name for c in e1.sample_clients(r)] for r in range(5)]
+    assert picks == [[c.name for c in e2.sample_clients(r)] for r in range(5)]
+    assert all(len(p) == 5 for p in picks)
+    assert len({tuple(p) for p in picks}) > 1
+
+
+def test_checkpoint_round_trip_continues_identically(tiny_clients):
+    a = engine(tiny_clients, "fedbn")
+    for _ in range(3):
+        a.run_round()
+    b = engine(tiny_clients, "fedbn")
+    b.run_round()
+    c = engine(tiny_clients, "fedbn")
+    c.load_state_dict(copy.deepcopy(b.state_dict()))
+    c.run_round()
+    c.run_round()
+    for k in a.global_state:
+        assert torch.equal(a.global_state[k], c.global_state[k])
+    for name in a.local_states:
+        for k in a.local_states[name]:
+            assert torch.equal(a.local_states[name][k], c.local_states[name][k])
+
+
+def test_fedbn_client_state_is_only_bn(tiny_clients):
+    eng = engine(tiny_clients, "fedbn")
+    eng.run_round()
+    model_size = sum(v.numel() for v in eng.global_state.values())
+    for state in eng.local_states.values():
+        assert sum(v.numel() for v in state.values()) < 0.05 * model_size

@@ -1,0 +1,80 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fednorm.data.domain import Split, normalize_batch
+from fednorm.methods.local_update import LocalTraining, batch_schedule, train_locally
+
+from ..conftest import make_split
+
+
+def test_fedprox_step_adds_mu_times_distance_to_global_weights():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 28 * 28, 10))
+    data = make_split(8, seed=1)
+    reference = {k: v.detach() + 0.3 * torch.randn_like(v) for k, v in model.named_parameters()}
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    mu, lr = 0.5, 0.1
+    cfg = LocalTraining(batch_size=8, lr=lr)
+    train_locally(model, data, cfg, generator=torch.Generator().manual_seed(0), prepare=normalize_batch,
+                  prox_reference=reference, prox_mu=mu)
+    # expected: w - lr * (dCE/dw + mu (w - w_global)), the gradient of CE + mu/2 ||w - w_global||^2
+    check = nn.Sequential(nn.Flatten(), nn.Linear(3 * 28 * 28, 10))
+    check.load_state_dict(start)
+    loss = F.cross_entropy(check(normalize_batch(data.x)), data.y)
+    loss = loss + mu / 2 * sum(((p - reference[k]) ** 2).sum() for k, p in check.named_parameters())
+    grads = torch.autograd.grad(loss, list(check.parameters()))
+    for (name, p), g in zip(check.named_parameters(), grads):
+        torch.testing.assert_close(dict(model.named_parameters())[name].detach(), p.detach() - lr * g,
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_without_prox_the_step_is_plain_sgd():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 28 * 28, 10))
+    data = make_split(8, seed=1)
+    start = [p.detach().clone() for p in model.parameters()]
+    train_locally(model, data, LocalTraining(batch_size=8, lr=0.1), generator=torch.Generator(), prepare=normalize_batch,
+                  prox_reference={k: v.detach() + 1 for k, v in model.named_parameters()}, prox_mu=0.0)
+    check = nn.Sequential(nn.Flatten(), nn.Linear(3 * 28 * 28, 10))
+    for p, s in zip(check.parameters(), start):
+        p.data.copy_(s)
+    grads = torch.autograd.grad(F.cross_entropy(check(normalize_batch(data.x)), data.y), list(check.parameters()))
+    for p, s, g in zip(model.parameters(), start, grads):
+        torch.testing.assert_close(p.detach(), s - 0.1 * g, rtol=1e-5, atol=1e-6)
+
+
+def test_epoch_schedule_covers_every_sample_once_per_epoch():
+    cfg = LocalTraining(epochs=2, batch_size=32)
+    batches = batch_schedule(743, cfg, torch.Generator().manual_seed(0), guard_single=False)
+    assert len(batches) == 2 * 24
+    first = torch.cat(batches[:24])
+    assert sorted(first.tolist()) == list(range(743))
+
+
+def test_fixed_steps_repeat_sampling_for_small_clients():
+    cfg = LocalTraining(steps=10, batch_size=32)
+    batches = batch_schedule(40, cfg, torch.Generator().manual_seed(0), guard_single=False)
+    assert len(batches) == 10
+    assert all(len(b) in (32, 8) for b in batches)
+
+
+def test_single_sample_tail_batch_is_dropped_for_batchnorm_only():
+    cfg = LocalTraining(batch_size=32)
+    with_bn = batch_schedule(33, cfg, torch.Generator().manual_seed(0), guard_single=True)
+    without = batch_schedule(33, cfg, torch.Generator().manual_seed(0), guard_single=False)
+    assert [len(b) for b in with_bn] == [32]
+    assert [len(b) for b in without] == [32, 1]
+    with pytest.raises(ValueError, match="BatchNorm"):
+        batch_schedule(1, cfg, torch.Generator(), guard_single=True)
+
+
+def test_diverging_training_raises_a_clear_error():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 28 * 28, 10))
+    with torch.no_grad():
+        model[1].weight[0, 0] = float("inf")  # as after an overflowing step
+    with pytest.raises(FloatingPointError, match="learning rate"):
+        train_locally(model, make_split(64, seed=0), LocalTraining(lr=0.01, batch_size=8),
+                      generator=torch.Generator(), prepare=normalize_batch)
