@@ -1,0 +1,216 @@
+"""Experiment configuration: a validated YAML document (pydantic), with presets shipped in the package.
+
+An experiment is a grid of methods x seeds over one federation (data, model, local training,
+rounds). Unknown keys are rejected; every error names the offending key.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..data.federation import check_domain
+from ..methods.aggregation import WEIGHTINGS
+from ..methods.local_update import LocalTraining
+from ..methods.policy import POLICIES
+from ..methods.presets import PRESETS, Method, resolve_method
+from ..models.norm import NORM_KINDS
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message lists each problem with its key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataConfig(_Strict):
+    domains: list[str] = Field(
+        default_factory=lambda: ["rendered/print", "rendered/neon", "rendered/synth", "rendered/street"],
+        min_length=1,
+    )
+    percent: float = Field(0.1, gt=0, le=1, description="share of the 7,438-sample pool per client")
+    clients_per_domain: int = Field(1, ge=1, le=10)
+    pool_size: int = Field(7438, ge=10)
+    split_seed: int = Field(0, description="seed of the stratified split (fixed across runs, as FedBN)")
+    rendered_size: int = Field(9298, ge=20, description="images rendered per rendered domain")
+    data_dir: str | None = Field(None, description="data folder; else --data-dir, FEDNORM_DATA, user cache")
+
+    @field_validator("domains")
+    @classmethod
+    def _known(cls, value: list[str]) -> list[str]:
+        for d in value:
+            check_domain(d)
+        if len(set(value)) != len(value):
+            raise ValueError("domains must be distinct")
+        return value
+
+
+class ModelConfig(_Strict):
+    name: Literal["digit_cnn"] = "digit_cnn"
+    norm: Literal[NORM_KINDS] = "bn"  # type: ignore[valid-type]
+    classifier: Literal["fedbn", "fedwon"] = "fedbn"
+    width: float = Field(1.0, gt=0, le=4)
+
+
+class MethodConfig(_Strict):
+    """A preset by name, optionally with axes overridden (e.g. FedBN + FedProx: name fedbn, prox_mu 0.01)."""
+
+    name: str
+    label: str | None = None
+    policy: str | None = None
+    prox_mu: float | None = Field(None, ge=0)
+
+    @field_validator("name")
+    @classmethod
+    def _preset(cls, value: str) -> str:
+        if value not in PRESETS:
+            raise ValueError(f"unknown method {value!r}; choose one of {', '.join(PRESETS)}")
+        return value
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, value: str | None) -> str | None:
+        if value is not None and value not in POLICIES:
+            raise ValueError(f"unknown policy {value!r}; choose one of {', '.join(POLICIES)}")
+        return value
+
+    @property
+    def display(self) -> str:
+        return self.label or self.name
+
+    def build(self) -> Method:
+        return resolve_method(self.name, policy=self.policy, prox_mu=self.prox_mu)
+
+
+class TrainingConfig(_Strict):
+    epochs: int = Field(1, ge=1)
+    steps: int | None = Field(None, ge=1, description="fixed local iterations per round instead of epochs")
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(0.01, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    drop_last: bool = False
+    precision: Literal["fp32", "bf16"] = "fp32"
+
+    def build(self) -> LocalTraining:
+        return LocalTraining(**self.model_dump())
+
+
+class FederationConfig(_Strict):
+    rounds: int = Field(20, ge=1)
+    fraction: float = Field(1.0, gt=0, le=1)
+    weighting: Literal[WEIGHTINGS] = "samples"  # type: ignore[valid-type]
+    persistent_optimizer: bool = False
+    eval_every: int = Field(1, ge=1)
+    checkpoint_every: int = Field(1, ge=1)
+    channels_last: bool = True
+
+
+class ExperimentConfig(_Strict):
+    name: str = "experiment"
+    description: str = ""
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    methods: list[MethodConfig] = Field(default_factory=lambda: [MethodConfig(name="fedavg")], min_length=1)
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    federation: FederationConfig = Field(default_factory=FederationConfig)
+    paper: dict[str, dict[str, float]] | None = Field(
+        None, description="the paper's numbers for this preset: method -> domain -> accuracy (%)"
+    )
+
+    @field_validator("methods", mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        if isinstance(value, (str, dict)):
+            value = [value]
+        if isinstance(value, list):
+            return [{"name": v} if isinstance(v, str) else v for v in value]
+        return value
+
+    @model_validator(mode="after")
+    def _unique_labels(self) -> "ExperimentConfig":
+        labels = [m.display for m in self.methods]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"method labels must be distinct (give each a `label`), got {labels}")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds must be distinct, got {self.seeds}")
+        return self
+
+
+# ------------------------------------------------------------------------------------------ loading
+def preset_names() -> list[str]:
+    folder = resources.files("fednorm.runs") / "presets"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def _read_document(source: str | Path | None) -> dict:
+    if source is None:
+        source = "default"
+    path = Path(source)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist")
+        text = path.read_text()
+    else:
+        name = str(source)
+        if name not in preset_names():
+            raise ConfigError(
+                f"{name!r} is neither a config file nor a preset; presets: {', '.join(preset_names())}"
+            )
+        text = (resources.files("fednorm.runs") / "presets" / f"{name}.yaml").read_text()
+    try:
+        document = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {source} is not valid YAML: {exc}") from None
+    if not isinstance(document, dict):
+        raise ConfigError(f"config {source} must be a mapping of keys to values, got {type(document).__name__}")
+    return document
+
+
+def apply_overrides(document: dict, overrides: list[str]) -> dict:
+    """Apply ``key.sub=value`` overrides; values are parsed as YAML (``5``, ``[a, b]``, ``true``)."""
+    document = yaml.safe_load(yaml.safe_dump(document))  # deep copy
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value, e.g. federation.rounds=5")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: value is not valid YAML: {exc}") from None
+        node = document
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return document
+
+
+def validate(document: dict, source: str = "config") -> ExperimentConfig:
+    try:
+        return ExperimentConfig.model_validate(document)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            msg = err["msg"]
+            if err["type"] == "extra_forbidden":
+                msg = "unknown key (check its spelling; see `fednorm run --help` and the presets)"
+            lines.append(f"  {where}: {msg}")
+        raise ConfigError(f"invalid {source}:\n" + "\n".join(lines)) from None
+
+
+def load_config(source: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """A config file path or preset name (default: the ``default`` preset), with overrides applied."""
+    document = apply_overrides(_read_document(source), overrides or [])
+    return validate(document, source=str(source or "default preset"))

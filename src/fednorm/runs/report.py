@@ -1,0 +1,127 @@
+"""Results tables in the papers' layout: one row per method, one column per client, mean (std) over seeds.
+
+Accuracy is in percent. The std is over seeds (numpy's default, ddof=0); the ``Avg`` column is the
+mean over clients within each seed, then mean (std) over seeds. Domains that are not real data are
+marked with a dagger and a footnote. Where the run's config carries the paper's numbers, a
+``paper`` row follows each method with them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import store
+
+DAGGER = "†"
+
+
+@dataclass
+class ResultsTable:
+    columns: list[str]  # client names
+    origins: dict[str, str]
+    rows: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # method -> column -> per-seed acc
+    seeds: dict[str, list[int]] = field(default_factory=dict)
+    paper: dict[str, dict[str, float]] = field(default_factory=dict)
+    metric: str = "final_acc"
+
+    def cell(self, method: str, column: str) -> tuple[float, float, int] | None:
+        values = self.rows.get(method, {}).get(column)
+        if not values:
+            return None
+        return float(np.mean(values)) * 100, float(np.std(values)) * 100, len(values)
+
+    def header(self, column: str) -> str:
+        return column + (DAGGER if self.origins.get(column, "real") != "real" else "")
+
+    def to_dict(self) -> dict:
+        out = {"metric": self.metric, "columns": self.columns, "methods": {}}
+        for method in self.rows:
+            out["methods"][method] = {
+                "seeds": self.seeds[method],
+                **{c: dict(zip(("mean", "std", "n"), self.cell(method, c))) for c in self.columns + ["Avg"]
+                   if self.cell(method, c)},
+            }
+        if self.paper:
+            out["paper"] = self.paper
+        return out
+
+    def text_rows(self) -> list[list[str]]:
+        """Header plus body rows as strings (shared by the markdown and terminal renderings)."""
+        head = ["Method", "seeds"] + [self.header(c) for c in self.columns] + ["Avg"]
+        body = []
+        for method in self.rows:
+            row = [method, str(len(self.seeds[method]))]
+            for c in self.columns + ["Avg"]:
+                v = self.cell(method, c)
+                row.append("-" if v is None else f"{v[0]:.2f} ({v[1]:.2f})")
+            body.append(row)
+            if method in self.paper:
+                numbers = self.paper[method]
+                body.append(["  paper", ""] + [f"{numbers[c]:.2f}" if c in numbers else "" for c in self.columns]
+                            + [""])
+        return [head] + body
+
+    def footnote(self) -> str:
+        marked = [c for c in self.columns if self.origins.get(c, "real") != "real"]
+        if not marked:
+            return ""
+        return f"{DAGGER} rendered stand-in domain (procedurally drawn digits), not a real dataset: " + ", ".join(marked)
+
+    def markdown(self) -> str:
+        rows = self.text_rows()
+        lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+        lines += ["| " + " | ".join(r) + " |" for r in rows[1:]]
+        note = self.footnote()
+        return "\n".join(lines) + (f"\n\n{note}\n" if note else "\n")
+
+
+def build_table(summaries: list[dict], paper: dict | None = None, metric: str = "final_acc") -> ResultsTable:
+    """Combine cell summaries (any runs, any seeds) into one table, merging rows by method label."""
+    columns: list[str] = []
+    origins: dict[str, str] = {}
+    table = ResultsTable(columns=columns, origins=origins, metric=metric)
+    for s in summaries:
+        method = s["method"]
+        if s["seed"] in table.seeds.get(method, []):
+            continue  # the same (method, seed) from two folders counts once
+        table.seeds.setdefault(method, []).append(s["seed"])
+        row = table.rows.setdefault(method, {})
+        accs = []
+        for c in s["clients"]:
+            if "test" not in c:
+                continue
+            if c["name"] not in columns:
+                columns.append(c["name"])
+                origins[c["name"]] = c.get("origin", "real")
+            acc = c["test"][metric]
+            row.setdefault(c["name"], []).append(acc)
+            accs.append(acc)
+        if accs:
+            row.setdefault("Avg", []).append(float(np.mean(accs)))
+    if paper:
+        for method, numbers in paper.items():
+            if method in table.rows:
+                table.paper[method] = dict(numbers)
+    return table
+
+
+def read_summaries(run_dir: Path) -> list[dict]:
+    """Every finished cell summary under ``run_dir`` (a run folder or a single cell folder)."""
+    paths = sorted(Path(run_dir).glob(f"**/{store.SUMMARY_FILE}"))
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def write_run_report(run_dir: Path, config, results) -> ResultsTable:
+    from .plots import plot_comparison
+
+    table = build_table([r.summary for r in results], paper=config.paper)
+    title = f"# {config.name}\n\n{config.description}\n\nTest accuracy (%) after round {config.federation.rounds}, " \
+            f"mean (std) over seeds.\n\n"
+    (Path(run_dir) / "results.md").write_text(title + table.markdown())
+    store.write_json(Path(run_dir) / "results.json", table.to_dict())
+    plot_comparison(run_dir, [(r.label, r.seed) for r in results])
+    return table

@@ -1,0 +1,220 @@
+"""Run an experiment (methods x seeds) into a run folder, and resume one from its checkpoints.
+
+Each (method, seed) cell writes its metrics line by line and a checkpoint after every
+``checkpoint_every`` rounds. A stopped run (Ctrl-C, kill -9, a crash) resumes from the last
+checkpoint and ends with exactly the numbers of an uninterrupted run, because every random stream
+is derived from (seed, round, client) rather than from the order of execution.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import yaml
+
+from ..data.datafolder import resolve_data_dir
+from ..data.domain import ClientData, normalize_batch
+from ..data.federation import build_clients, is_rendered, pooled_client
+from ..engines.simulation import Federation, InProcessEngine, derive_seed
+from ..models.registry import build_model
+from . import store
+from .config import ExperimentConfig, MethodConfig, validate
+
+_INIT_STREAM = 3
+RUN_INFO_FILE = "run.json"
+
+ProgressFn = Callable[[str, int, int, int, dict], None]  # (method label, seed, round, rounds, last metrics)
+
+
+class RunError(RuntimeError):
+    """A run folder cannot be created or resumed; the message says why and what to do."""
+
+
+@dataclass
+class CellResult:
+    label: str
+    seed: int
+    summary: dict
+
+
+def _needs_data_folder(config: ExperimentConfig) -> bool:
+    return any(not is_rendered(d) for d in config.data.domains)
+
+
+def build_federation_data(config: ExperimentConfig, data_dir: Path | None) -> list[ClientData]:
+    d = config.data
+    return build_clients(
+        d.domains,
+        data_dir=data_dir,
+        percent=d.percent,
+        clients_per_domain=d.clients_per_domain,
+        pool_size=d.pool_size,
+        split_seed=d.split_seed,
+        rendered_size=d.rendered_size,
+    )
+
+
+def build_engine(
+    config: ExperimentConfig, method_cfg: MethodConfig, seed: int, clients: list[ClientData]
+) -> InProcessEngine:
+    """The engine of one cell; the model's initial weights depend on the seed only."""
+    method = method_cfg.build()
+    torch.manual_seed(derive_seed(seed, _INIT_STREAM))
+    m = config.model
+    model = build_model(m.name, num_classes=10, norm=m.norm, classifier=m.classifier, width=m.width)
+    f = config.federation
+    federation = Federation(
+        seed=seed,
+        fraction=f.fraction,
+        weighting=f.weighting,
+        persistent_optimizer=f.persistent_optimizer,
+        channels_last=f.channels_last,
+    )
+    train_clients = [pooled_client(clients)] if method.pooled else clients
+    return InProcessEngine(
+        model, train_clients, method, config.training.build(), federation, normalize_batch, eval_clients=clients
+    )
+
+
+def run_cell(
+    config: ExperimentConfig,
+    method_cfg: MethodConfig,
+    seed: int,
+    clients: list[ClientData],
+    cell: Path,
+    progress: ProgressFn | None = None,
+) -> dict:
+    """Train one (method, seed) cell to the end, resuming from its checkpoint if there is one."""
+    cell.mkdir(parents=True, exist_ok=True)
+    metrics_path, checkpoint_path = cell / store.METRICS_FILE, cell / store.CHECKPOINT_FILE
+    engine = build_engine(config, method_cfg, seed, clients)
+    if checkpoint_path.exists():
+        engine.load_state_dict(store.load_checkpoint(checkpoint_path))
+    store.truncate_metrics(metrics_path, engine.round)
+    rounds, f = config.federation.rounds, config.federation
+    label = method_cfg.display
+    if progress:
+        progress(label, seed, engine.round, rounds, {})
+    while engine.round < rounds:
+        train_results = engine.run_round()
+        r = engine.round
+        records = [
+            {"round": r, "client": name, "split": "train", "loss": res.mean_loss, "steps": res.num_steps,
+             "n": res.num_examples}
+            for name, res in train_results.items()
+        ]
+        last: dict = {"train_loss": sum(x.mean_loss for x in train_results.values()) / len(train_results)}
+        if r % f.eval_every == 0 or r == rounds:
+            evals = engine.evaluate()
+            records += [
+                {"round": r, "client": e.client, "split": e.split, "acc": e.accuracy, "loss": e.loss,
+                 "n": e.num_examples}
+                for e in evals
+            ]
+            tests = [e.accuracy for e in evals if e.split == "test"]
+            last["test_acc"] = sum(tests) / len(tests)
+        store.append_metrics(metrics_path, records)
+        if r % f.checkpoint_every == 0 or r == rounds:
+            store.save_checkpoint(checkpoint_path, engine.state_dict())
+        if progress:
+            progress(label, seed, r, rounds, last)
+    summary = summarize_cell(store.read_metrics(metrics_path), clients, label, seed, rounds)
+    store.write_json(cell / store.SUMMARY_FILE, summary)
+    from .plots import plot_cell
+
+    plot_cell(store.read_metrics(metrics_path), cell)
+    return summary
+
+
+def summarize_cell(records: list[dict], clients: list[ClientData], label: str, seed: int, rounds: int) -> dict:
+    """Final and best test (and validation) accuracy of every client of one cell."""
+    per_client = []
+    for c in clients:
+        mine = [r for r in records if r["client"] == c.name]
+        entry: dict = {"name": c.name, "domain": c.domain, "origin": c.origin, "num_train": c.num_train}
+        for split in ("test", "val"):
+            evals = [r for r in mine if r["split"] == split]
+            if not evals:
+                continue
+            final = max(evals, key=lambda r: r["round"])
+            best = max(evals, key=lambda r: (r["acc"], -r["round"]))
+            entry[split] = {"final_acc": final["acc"], "final_loss": final["loss"], "best_acc": best["acc"],
+                            "best_round": best["round"], "n": final["n"]}
+        per_client.append(entry)
+    finals = [e["test"]["final_acc"] for e in per_client if "test" in e]
+    return {
+        "method": label,
+        "seed": seed,
+        "rounds": rounds,
+        "clients": per_client,
+        "mean_final_test_acc": sum(finals) / len(finals) if finals else None,
+    }
+
+
+# ------------------------------------------------------------------------------------------ runs
+def _write_run_info(run_dir: Path, data_dir: Path | None) -> None:
+    store.write_json(run_dir / RUN_INFO_FILE, {"data_dir": str(data_dir) if data_dir else None,
+                                               "fednorm_version": __import__("fednorm").__version__})
+
+
+def start_run(
+    config: ExperimentConfig, run_dir: Path, data_dir: str | None = None, progress: ProgressFn | None = None
+) -> list[CellResult]:
+    """Create ``run_dir`` for ``config`` and run every cell."""
+    run_dir = Path(run_dir)
+    if (run_dir / store.CONFIG_FILE).exists():
+        raise RunError(
+            f"{run_dir} already holds a run; continue it with `fednorm resume {run_dir}` or choose another --out"
+        )
+    resolved = None
+    if _needs_data_folder(config):
+        resolved = resolve_data_dir(data_dir or config.data.data_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / store.CONFIG_FILE).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    _write_run_info(run_dir, resolved)
+    return execute(run_dir, config, resolved, progress)
+
+
+def load_run_config(run_dir: Path) -> ExperimentConfig:
+    path = Path(run_dir) / store.CONFIG_FILE
+    if not path.exists():
+        raise RunError(f"{run_dir} is not a run folder (no {store.CONFIG_FILE}); start one with `fednorm run`")
+    return validate(yaml.safe_load(path.read_text()) or {}, source=str(path))
+
+
+def resume_run(run_dir: Path, data_dir: str | None = None, progress: ProgressFn | None = None) -> list[CellResult]:
+    """Continue a stopped run from its checkpoints with the config it was started with."""
+    run_dir = Path(run_dir)
+    config = load_run_config(run_dir)
+    resolved = None
+    if _needs_data_folder(config):
+        info_path = run_dir / RUN_INFO_FILE
+        recorded = json.loads(info_path.read_text()).get("data_dir") if info_path.exists() else None
+        resolved = resolve_data_dir(data_dir or config.data.data_dir or recorded)
+    return execute(run_dir, config, resolved, progress)
+
+
+def execute(
+    run_dir: Path, config: ExperimentConfig, data_dir: Path | None, progress: ProgressFn | None = None
+) -> list[CellResult]:
+    clients = build_federation_data(config, data_dir)
+    results: list[CellResult] = []
+    for method_cfg in config.methods:
+        for seed in config.seeds:
+            cell = store.cell_dir(run_dir, method_cfg.display, seed)
+            summary_path = cell / store.SUMMARY_FILE
+            if summary_path.exists():
+                summary = json.loads(summary_path.read_text())
+                if progress:
+                    progress(method_cfg.display, seed, config.federation.rounds, config.federation.rounds, {})
+            else:
+                summary = run_cell(config, method_cfg, seed, clients, cell, progress)
+            results.append(CellResult(method_cfg.display, seed, summary))
+    from .report import write_run_report
+
+    write_run_report(run_dir, config, results)
+    return results

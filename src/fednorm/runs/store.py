@@ -1,0 +1,87 @@
+"""The on-disk layout of a run, written so that nothing computed is lost.
+
+```
+RUN_DIR/
+  config.yaml                 resolved experiment config
+  results.md, results.json    the comparison table (methods x clients, mean (std) over seeds)
+  comparison.png              average test accuracy over rounds, one line per method
+  <method>/seed<k>/
+    metrics.jsonl             one line per round per client and split
+    checkpoint.pt             engine state after the last completed round (atomic replace)
+    summary.json              final and best per-client metrics (written when the cell ends)
+    accuracy.png, loss.png    per-client curves
+```
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINT_FILE = "checkpoint.pt"
+SUMMARY_FILE = "summary.json"
+
+
+def cell_dir(run_dir: Path, label: str, seed: int) -> Path:
+    return Path(run_dir) / label / f"seed{seed}"
+
+
+def atomic_write_bytes(path: Path, write) -> None:
+    """Write through a temporary file and rename, so a kill leaves the old or the new file, never half."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        write(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    atomic_write_bytes(path, lambda fh: torch.save(state, fh))
+
+
+def load_checkpoint(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint gets the same advice
+        raise RuntimeError(
+            f"checkpoint {path} is unreadable ({exc}); delete it to restart this cell from round 0"
+        ) from exc
+
+
+def append_metrics(path: Path, records: list[dict]) -> None:
+    with open(path, "a") as fh:
+        for rec in records:
+            fh.write(json.dumps(rec) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut by a kill: everything after it is discarded too
+    return records
+
+
+def truncate_metrics(path: Path, last_round: int) -> None:
+    """Keep only the records of rounds <= ``last_round`` (the checkpoint's), dropping a partial tail."""
+    kept = [r for r in read_metrics(path) if r["round"] <= last_round]
+    atomic_write_bytes(path, lambda fh: fh.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
+
+
+def write_json(path: Path, data) -> None:
+    atomic_write_bytes(path, lambda fh: fh.write(json.dumps(data, indent=2).encode()))
