@@ -26,7 +26,7 @@ _USER_ERRORS = (ConfigError, DataError, RunError, UpdateError, FloatingPointErro
 
 
 def _fail(exc: Exception) -> None:
-    err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+    err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True, markup=True)
     raise typer.Exit(code=2)
 
 

@@ -1,0 +1,158 @@
+"""Where the offline data folder is, and checked reading of the ``.npz`` files inside it.
+
+A data folder holds NumPy ``.npz`` files (``digits/mnist.npz``, ``pacs/pacs64.npz``, ...) and a
+``manifest.json`` that lists each file's size and sha256 (format: ``../shared/data/README.md``).
+The folder is chosen by :func:`resolve_data_dir` (command-line option, then the ``FEDNORM_DATA``
+environment variable, then a per-user cache folder) and every file read goes through
+:func:`load_npz`, which checks the file against the manifest before trusting it. A wrong, truncated
+or missing file therefore fails at load time with a :class:`DataError` that names the file and says
+how to fix it, instead of producing silently wrong results. Nothing here downloads anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zipfile
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import platformdirs
+
+from fednorm.data.domain import DataError
+
+ENV_VAR = "FEDNORM_DATA"
+MANIFEST_NAME = "manifest.json"
+
+_FIX = (
+    f"Pass --data-dir DIR or set {ENV_VAR} to a folder in the documented format "
+    "(npz files plus manifest.json, e.g. ../shared/data from the project root)"
+)
+_HASH_CHUNK = 1 << 20
+
+# Files whose checksum already matched in this process, keyed by (path, size, mtime_ns, expected
+# sha256): a file that has not changed on disk is not hashed again on every load.
+_verified: set[tuple[str, int, int, str]] = set()
+
+
+def resolve_data_dir(explicit: str | Path | None = None) -> Path:
+    """The data folder: ``explicit`` (the ``--data-dir`` option) if given, else ``$FEDNORM_DATA``
+    if set and non-empty, else the per-user cache folder. Nothing is created or checked here."""
+    if explicit is not None and str(explicit) != "":
+        return Path(explicit).expanduser()
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return Path(env).expanduser()
+    return Path(platformdirs.user_cache_dir("fednorm"))
+
+
+def _manifest_entry(data_dir: Path, relpath: str) -> dict | None:
+    """The manifest entry whose ``file`` is ``relpath``, or None when there is no manifest or the
+    manifest does not list the file (such a file is read unchecked)."""
+    manifest_path = data_dir / MANIFEST_NAME
+    if not manifest_path.is_file():
+        return None
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(
+            f"Cannot read the data manifest {manifest_path}: {exc}. "
+            f"Re-copy manifest.json from the data source. {_FIX}."
+        ) from exc
+    if not isinstance(manifest, dict):
+        raise DataError(
+            f"The data manifest {manifest_path} is not a JSON object of file entries. "
+            f"Re-copy manifest.json from the data source. {_FIX}."
+        )
+    want = Path(relpath).as_posix()
+    for entry in manifest.values():
+        if isinstance(entry, dict) and Path(str(entry.get("file", ""))).as_posix() == want:
+            return entry
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _verify(path: Path, entry: dict) -> None:
+    """Check size then sha256 of ``path`` against its manifest entry (memoized per process)."""
+    expected_sha = str(entry.get("sha256", "")).lower()
+    expected_size = entry.get("bytes")
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, expected_sha)
+    if key in _verified:
+        return
+    redo = "Re-download or re-copy this file from the data source"
+    if expected_size is not None and stat.st_size != int(expected_size):
+        raise DataError(
+            f"Data file {path} has the wrong size: expected {int(expected_size)} bytes (manifest), "
+            f"found {stat.st_size}. The file is truncated or not the listed one. {redo}. {_FIX}."
+        )
+    if expected_sha:
+        actual = _sha256(path)
+        if actual != expected_sha:
+            raise DataError(
+                f"Checksum mismatch for data file {path}: expected sha256 {expected_sha} "
+                f"(manifest), got {actual}. The file is corrupt or not the listed one. "
+                f"{redo}. {_FIX}."
+            )
+    _verified.add(key)
+
+
+def load_npz(
+    data_dir: Path, relpath: str, *, keys: Sequence[str] | None = None
+) -> dict[str, np.ndarray]:
+    """Read ``data_dir/relpath`` into a dict of arrays, verifying it against the manifest first.
+
+    If ``data_dir/manifest.json`` lists the file (its ``file`` field equals ``relpath``), the size
+    and sha256 must match. ``keys`` restricts loading to those arrays and makes each of them
+    required; without it every array of the file is loaded. Pickled arrays are refused.
+    """
+    data_dir = Path(data_dir)
+    path = data_dir / relpath
+    if not data_dir.is_dir():
+        raise DataError(f"Data folder {data_dir} does not exist, so {path} cannot be read. {_FIX}.")
+    if not path.is_file():
+        raise DataError(
+            f"Data file {path} is missing from the data folder {data_dir}. "
+            f"Copy or download it there. {_FIX}."
+        )
+    entry = _manifest_entry(data_dir, relpath)
+    if entry is not None:
+        _verify(path, entry)
+    try:
+        npz = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise DataError(
+            f"Data file {path} is not a readable npz archive ({type(exc).__name__}: {exc}). "
+            f"Re-download or re-copy it. {_FIX}."
+        ) from exc
+    if not isinstance(npz, np.lib.npyio.NpzFile):
+        raise DataError(
+            f"Data file {path} holds a single .npy array, not an npz archive of named arrays. "
+            f"Re-download or re-copy it. {_FIX}."
+        )
+    with npz:
+        available = list(npz.files)
+        wanted = available if keys is None else list(keys)
+        missing = [k for k in wanted if k not in available]
+        if missing:
+            raise DataError(
+                f"Data file {path} lacks the array(s) {missing}; it has {available}. "
+                f"It is not in the documented format. Re-download or re-copy it. {_FIX}."
+            )
+        try:
+            return {k: npz[k] for k in wanted}
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+            raise DataError(
+                f"Data file {path} has an unreadable array ({type(exc).__name__}: {exc}). "
+                f"Re-download or re-copy it. {_FIX}."
+            ) from exc

@@ -1,0 +1,218 @@
+"""The FedBN digits protocol: how one domain's image pool becomes its federated clients.
+
+FedBN (Li et al., ICLR 2021, Sec. 5) truncates every digit dataset to 7438 training samples
+("the smallest number", USPS) and gives each client 10 % of that (743 samples) by default, testing on
+held-out data. The paper does not say how; the official code (github.com/med-air/FedBN) does this:
+
+1. ``utils/data_preprocess.py``, ``process_*`` + ``stratified_split``: concatenate the dataset's
+   original train and test sets and re-split the union with
+   ``StratifiedShuffleSplit(n_splits=1, test_size=0.2, random_state=0)``; the training split is
+   stored in sklearn's (shuffled) index order. USPS: 9298 -> 7438 / 1860, hence "7438".
+2. ``utils/data_preprocess.py``, ``split``: ``part_len = 743.8``; partition ``n`` is
+   ``train[int(part_len * n) : int(part_len * (n + 1))]`` for n = 0..9. The "random truncation to
+   7438" of the paper is therefore just "the first 7438 samples of the shuffled training split".
+3. ``utils/data_utils.py``, ``DigitsDataset``: ``percent >= 0.1`` -> concatenate partitions
+   ``0 .. int(percent * 10) - 1``; ``percent < 0.1`` -> the first
+   ``int(len(partition 0) * percent * 10)`` samples of partition 0 (1 % -> 74, 5 % -> 371).
+   The test set is the dataset's whole 20 % test split, for every ``percent``.
+
+The official code has one client per domain. For several clients per domain (paper Sec. 5.1 /
+Table 7: "parcel each dataset into 10 subsets, one for each client") client ``j`` takes the same
+amount as the official single client, starting at its own offset: partitions
+``j*k .. j*k + k - 1`` for ``k = 10 * percent`` partitions, or the leading fraction of partition
+``j`` for ``percent < 0.1``. Client 0 therefore reproduces the official data exactly. Every client
+of a domain is tested on the domain's whole test split, as in the official code.
+
+The functions work on any (x, y) pool (real files or rendered stand-ins); ``origin`` is passed
+through to :class:`ClientData` so results tables can mark non-real domains.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+import torch
+from sklearn.model_selection import StratifiedShuffleSplit
+
+from fednorm.data.domain import ClientData, Split
+
+FEDBN_POOL_SIZE = 7438
+FEDBN_NUM_PARTITIONS = 10
+FEDBN_TEST_FRACTION = 0.2
+
+
+def stratified_split(
+    y: torch.Tensor, test_fraction: float = FEDBN_TEST_FRACTION, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train and test indices (int64) of a stratified shuffle split of labels ``y``.
+
+    Exactly the official ``stratified_split`` (``utils/data_preprocess.py``):
+    ``StratifiedShuffleSplit(n_splits=1, test_size=test_fraction, random_state=seed)``, indices kept
+    in sklearn's order. sklearn rounds the test size up: 9298 -> 1860 test, 7438 train.
+    """
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    labels = torch.as_tensor(y)
+    if labels.ndim != 1:
+        raise ValueError(f"labels must be a vector, got shape {tuple(labels.shape)}")
+    labels_np = labels.cpu().numpy()
+    sss = StratifiedShuffleSplit(n_splits=1, test_size=test_fraction, random_state=seed)
+    # The features do not influence the split; sklearn only needs their count.
+    train_idx, test_idx = next(sss.split(np.zeros(len(labels_np)), labels_np))
+    return torch.from_numpy(train_idx.astype(np.int64)), torch.from_numpy(test_idx.astype(np.int64))
+
+
+def partition_bounds(
+    pool_len: int, num_partitions: int = FEDBN_NUM_PARTITIONS
+) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each of ``num_partitions`` consecutive, near-equal partitions.
+
+    The official ``split`` uses ``int(743.8 * n)``; ``(pool_len * n) // num_partitions`` is the
+    same number computed without floating point (identical for every pool of 10 .. 99999 samples
+    in 10 partitions, checked), and its last bound is always ``pool_len``. For 7438:
+    0, 743, 1487, 2231, 2975, 3719, 4462, 5206, 5950, 6694, 7438 (partitions of 743 or 744).
+    """
+    if num_partitions < 1:
+        raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
+    if pool_len < num_partitions:
+        raise ValueError(
+            f"cannot cut {pool_len} samples into {num_partitions} non-empty partitions"
+        )
+    edges = [(pool_len * n) // num_partitions for n in range(num_partitions + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _partitions_per_client(percent: float) -> int:
+    """Whole partitions per client for ``percent >= 0.1`` (one partition = 10 %)."""
+    k = int(round(percent * FEDBN_NUM_PARTITIONS))
+    # The official code takes int(percent * 10) partitions, so 0.15 silently means 10 %. Neither
+    # the paper nor the code defines a percent between two multiples of 10 %, so reject it
+    # rather than truncate or round it.
+    if not math.isclose(percent * FEDBN_NUM_PARTITIONS, k, abs_tol=1e-6):
+        raise ValueError(
+            f"percent >= 0.1 must be a multiple of 0.1 (whole partitions of 10 % of the pool), "
+            f"got {percent}; below 0.1 any value is allowed (a fraction of one partition)"
+        )
+    return k
+
+
+def fedbn_domain_clients(
+    domain: str,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    percent: float = 0.1,
+    clients_per_domain: int = 1,
+    pool_size: int = FEDBN_POOL_SIZE,
+    seed: int = 0,
+    origin: str = "real",
+) -> list[ClientData]:
+    """The clients of one domain under the FedBN digits protocol (see the module docstring).
+
+    ``x``/``y`` is the domain's whole image pool (uint8 N x C x H x W, labels N). It is split
+    80/20 (stratified, ``seed``); the first ``pool_size`` training indices form the training pool
+    (all of them, noted in ``meta``, if the split is smaller), cut into 10 partitions. Each client
+    gets ``percent`` of the training pool at its own offset and the whole test split.
+    """
+    if isinstance(percent, bool) or not isinstance(percent, numbers.Real):
+        raise TypeError(f"percent must be a number, got {percent!r}")
+    if not 0.0 < percent <= 1.0:
+        raise ValueError(
+            f"percent is the fraction of the {pool_size}-sample training pool each client gets; "
+            f"it must be in (0, 1], got {percent}"
+        )
+    if isinstance(clients_per_domain, bool) or not isinstance(clients_per_domain, int):
+        raise TypeError(f"clients_per_domain must be an int, got {clients_per_domain!r}")
+    if clients_per_domain < 1:
+        raise ValueError(f"clients_per_domain must be >= 1, got {clients_per_domain}")
+    if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
+        raise ValueError(f"pool_size must be a positive int, got {pool_size!r}")
+
+    if percent >= 0.1:
+        per_client = _partitions_per_client(percent)
+        if clients_per_domain * per_client > FEDBN_NUM_PARTITIONS:
+            raise ValueError(
+                f"{clients_per_domain} clients x {per_client} partitions ({percent:g} of the pool "
+                f"each) need {clients_per_domain * per_client} of the {FEDBN_NUM_PARTITIONS} "
+                f"disjoint partitions of domain {domain!r}; use clients_per_domain <= "
+                f"{FEDBN_NUM_PARTITIONS // per_client} at percent={percent:g}"
+            )
+    else:
+        per_client = 0  # a fraction of one partition
+        if clients_per_domain > FEDBN_NUM_PARTITIONS:
+            raise ValueError(
+                f"at percent={percent:g} each client takes part of its own partition, so domain "
+                f"{domain!r} can have at most {FEDBN_NUM_PARTITIONS} clients, "
+                f"got clients_per_domain={clients_per_domain}"
+            )
+
+    pool = Split(x, y)  # validates dtype and shapes
+    train_idx, test_idx = stratified_split(pool.y, FEDBN_TEST_FRACTION, seed)
+    train_pool_idx = train_idx[:pool_size]
+    train_pool_len = len(train_pool_idx)
+    if train_pool_len < FEDBN_NUM_PARTITIONS:
+        raise ValueError(
+            f"domain {domain!r}: the training pool has {train_pool_len} samples (training split "
+            f"{len(train_idx)} of a pool of {len(pool)}, pool_size {pool_size}); at least "
+            f"{FEDBN_NUM_PARTITIONS} are needed for {FEDBN_NUM_PARTITIONS} partitions"
+        )
+    bounds = partition_bounds(train_pool_len, FEDBN_NUM_PARTITIONS)
+    test = pool.subset(test_idx)
+
+    base_meta = {
+        "protocol": "fedbn-digits",
+        "percent": percent,
+        "split_seed": seed,
+        "pool_len": len(pool),
+        "train_split_len": len(train_idx),
+        "test_len": len(test_idx),
+        "requested_pool_size": pool_size,
+        "train_pool_len": train_pool_len,
+        "clients_per_domain": clients_per_domain,
+    }
+    if train_pool_len < pool_size:
+        base_meta["note"] = (
+            f"training split has only {train_pool_len} samples (< pool_size {pool_size}); "
+            f"the whole split is the training pool, so partitions are "
+            f"~{train_pool_len / FEDBN_NUM_PARTITIONS:g} samples instead of "
+            f"~{pool_size / FEDBN_NUM_PARTITIONS:g}"
+        )
+
+    clients = []
+    for j in range(clients_per_domain):
+        if per_client:
+            parts = list(range(j * per_client, (j + 1) * per_client))
+            start, stop = bounds[parts[0]][0], bounds[parts[-1]][1]
+        else:
+            parts = [j]
+            start, part_stop = bounds[j]
+            # Same expression and evaluation order as the official DigitsDataset:
+            # int(len(part) * percent * 10); e.g. 743 * 0.05 * 10 -> 371.
+            stop = start + int((part_stop - start) * percent * 10)
+        if stop <= start:
+            raise ValueError(
+                f"domain {domain!r}: client {j + 1} would get no training sample (partition of "
+                f"{bounds[j][1] - bounds[j][0]} samples x {percent:g} x 10 < 1); use a larger "
+                f"percent or a larger pool"
+            )
+        name = domain if clients_per_domain == 1 else f"{domain}-{j + 1}"
+        meta = dict(
+            base_meta,
+            client_index=j,
+            partitions=parts,
+            train_pool_range=(start, stop),
+            num_train=stop - start,
+        )
+        clients.append(
+            ClientData(
+                name=name,
+                domain=domain,
+                train=pool.subset(train_pool_idx[start:stop]),
+                test=test,
+                origin=origin,
+                meta=meta,
+            )
+        )
+    return clients

@@ -1,0 +1,74 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from typer.testing import CliRunner
+
+from fednorm.cli.main import app
+
+from ..runs.test_runner import TINY
+
+runner = CliRunner()
+SETS = [arg for item in TINY for arg in ("--set", item)]
+
+
+def test_methods_lists_every_preset_with_one_line():
+    result = runner.invoke(app, ["methods"])
+    assert result.exit_code == 0
+    for name in ("fedavg", "fedprox", "fedbn", "silobn", "singleset", "centralized"):
+        assert name in result.output
+
+
+def test_run_prints_the_per_client_table_and_report_reads_it(tmp_path):
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["run", *SETS, "--set", "federation.rounds=2", "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "fedbn" in result.output and "rendered/neon" in result.output and "rendered stand-in" in result.output
+    result = runner.invoke(app, ["report", str(out), "--markdown"])
+    assert result.exit_code == 0
+    table = json.loads((out / "results.json").read_text())
+    fedbn_avg = table["methods"]["fedbn"]["Avg"]["mean"]
+    assert f"{fedbn_avg:.2f} (0.00)" in result.output
+
+
+def test_bad_config_exits_with_a_clear_message(tmp_path):
+    result = runner.invoke(app, ["run", "--set", "training.lrr=0.1", "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2
+    assert "training.lrr: unknown key" in result.output
+    assert not (tmp_path / "r").exists()
+
+
+def test_missing_data_folder_exits_with_a_clear_message(tmp_path):
+    result = runner.invoke(app, ["run", *SETS, "--set", "data.domains=[usps]", "--data-dir", str(tmp_path / "none"),
+                                 "--out", str(tmp_path / "r"), "--quiet"])
+    assert result.exit_code == 2
+    assert str(tmp_path / "none") in result.output.replace("\n", "")
+
+
+def test_resume_of_a_non_run_folder_fails_clearly(tmp_path):
+    result = runner.invoke(app, ["resume", str(tmp_path)])
+    assert result.exit_code == 2 and "not a run folder" in result.output
+
+
+def test_kill_minus_9_then_resume_equals_an_uninterrupted_run(tmp_path):
+    base = [sys.executable, "-m", "fednorm.cli.main", "run", *SETS, "--set", "methods=[fedbn]",
+            "--set", "federation.rounds=6", "--quiet"]
+    subprocess.run(base + ["--out", str(tmp_path / "straight")], check=True, capture_output=True)
+    proc = subprocess.Popen(base + ["--out", str(tmp_path / "killed")], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "killed" / "fedbn" / "seed0" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if metrics.exists() and len({json.loads(l)["round"] for l in metrics.read_text().splitlines() if l.endswith("}")}) >= 2:
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "killed" / "fedbn" / "seed0" / "summary.json").exists(), "run finished before the kill"
+    result = runner.invoke(app, ["resume", str(tmp_path / "killed"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    straight = (tmp_path / "straight" / "fedbn" / "seed0" / "metrics.jsonl").read_text()
+    assert metrics.read_text() == straight

@@ -1,0 +1,208 @@
+"""Data folder resolution and checked npz loading (fednorm.data.datafolder)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import platformdirs
+import pytest
+
+from fednorm.data import datafolder
+from fednorm.data.datafolder import ENV_VAR, load_npz, resolve_data_dir
+from fednorm.data.domain import DataError
+
+REAL_DIGIT_FILES = ["digits/mnist.npz", "digits/mnistm.npz", "digits/usps.npz", "digits/semeion.npz"]
+
+
+def _real_data_dir() -> Path:
+    env = os.environ.get(ENV_VAR)
+    folder = Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "data"
+    if not folder.is_dir():
+        pytest.skip(f"real data folder {folder} is absent (set {ENV_VAR} to run this test)")
+    return folder
+
+
+def _write_folder(root: Path, files: dict[str, dict[str, np.ndarray]], listed=None) -> Path:
+    """Write npz files and a manifest in the documented format; ``listed`` limits the manifest."""
+    manifest = {}
+    for relpath, arrays in files.items():
+        path = root / relpath
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(path, **arrays)
+        if listed is None or relpath in listed:
+            data = path.read_bytes()
+            manifest[Path(relpath).stem] = {
+                "file": relpath,
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "bytes": len(data),
+                "arrays": {k: list(v.shape) for k, v in arrays.items()},
+                "source": "test",
+            }
+    (root / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return root
+
+
+def _arrays(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "x_train": rng.integers(0, 256, size=(6, 16, 16), dtype=np.uint8),
+        "y_train": rng.integers(0, 10, size=6, dtype=np.uint8),
+    }
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# --- resolve_data_dir ------------------------------------------------------------------------
+
+
+def test_resolve_explicit_beats_env(monkeypatch, tmp_path):
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "from_env"))
+    assert resolve_data_dir(tmp_path / "explicit") == tmp_path / "explicit"
+    assert resolve_data_dir(str(tmp_path / "explicit")) == tmp_path / "explicit"
+
+
+def test_resolve_env_beats_default(monkeypatch, tmp_path):
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "from_env"))
+    assert resolve_data_dir() == tmp_path / "from_env"
+    assert resolve_data_dir(None) == tmp_path / "from_env"
+
+
+def test_resolve_default_is_user_cache(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert resolve_data_dir() == Path(platformdirs.user_cache_dir("fednorm"))
+    monkeypatch.setenv(ENV_VAR, "")  # an empty variable counts as unset
+    assert resolve_data_dir() == Path(platformdirs.user_cache_dir("fednorm"))
+
+
+def test_resolve_creates_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "nowhere"))
+    resolve_data_dir()
+    assert not (tmp_path / "nowhere").exists()
+
+
+# --- load_npz --------------------------------------------------------------------------------
+
+
+def test_listed_file_is_verified_and_loaded(tmp_path, monkeypatch):
+    arrays = _arrays()
+    root = _write_folder(tmp_path, {"digits/a.npz": arrays})
+    hashed = []
+    real_sha = datafolder._sha256
+    monkeypatch.setattr(datafolder, "_sha256", lambda p: hashed.append(p) or real_sha(p))
+
+    out = load_npz(root, "digits/a.npz")
+    assert set(out) == {"x_train", "y_train"}
+    np.testing.assert_array_equal(out["x_train"], arrays["x_train"])
+    np.testing.assert_array_equal(out["y_train"], arrays["y_train"])
+    assert hashed == [root / "digits/a.npz"]
+
+    load_npz(root, "digits/a.npz")  # unchanged file: the verification is memoized
+    assert len(hashed) == 1
+
+
+def test_changed_file_is_rehashed_and_rejected(tmp_path):
+    root = _write_folder(tmp_path, {"digits/a.npz": _arrays()})
+    path = root / "digits/a.npz"
+    load_npz(root, "digits/a.npz")
+    stat = path.stat()
+    _flip_byte(path, stat.st_size // 2)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.raises(DataError, match="Checksum mismatch"):
+        load_npz(root, "digits/a.npz")
+
+
+def test_corrupted_file_names_file_checksums_and_fix(tmp_path):
+    root = _write_folder(tmp_path, {"digits/a.npz": _arrays()})
+    path = root / "digits/a.npz"
+    expected = json.loads((root / "manifest.json").read_text())["a"]["sha256"]
+    _flip_byte(path, 40)  # same size, different content
+    actual = hashlib.sha256(path.read_bytes()).hexdigest()
+    with pytest.raises(DataError) as info:
+        load_npz(root, "digits/a.npz")
+    msg = str(info.value)
+    assert str(path) in msg
+    assert expected in msg and actual in msg
+    assert "--data-dir" in msg and ENV_VAR in msg and "re-copy" in msg
+
+
+def test_wrong_size_is_rejected_before_hashing(tmp_path, monkeypatch):
+    root = _write_folder(tmp_path, {"digits/a.npz": _arrays()})
+    path = root / "digits/a.npz"
+    path.write_bytes(path.read_bytes()[:-10])
+    monkeypatch.setattr(datafolder, "_sha256", lambda p: pytest.fail("hashed a truncated file"))
+    with pytest.raises(DataError, match="wrong size") as info:
+        load_npz(root, "digits/a.npz")
+    assert str(path) in str(info.value)
+
+
+def test_missing_file(tmp_path):
+    root = _write_folder(tmp_path, {"digits/a.npz": _arrays()})
+    with pytest.raises(DataError, match="missing") as info:
+        load_npz(root, "digits/b.npz")
+    assert str(root / "digits/b.npz") in str(info.value)
+    assert "--data-dir" in str(info.value) and ENV_VAR in str(info.value)
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(DataError, match="does not exist") as info:
+        load_npz(tmp_path / "absent", "digits/a.npz")
+    assert str(tmp_path / "absent") in str(info.value)
+    assert "--data-dir" in str(info.value) and ENV_VAR in str(info.value)
+
+
+def test_unlisted_file_loads_without_manifest(tmp_path):
+    arrays = _arrays(1)
+    (tmp_path / "digits").mkdir()
+    np.savez(tmp_path / "digits/a.npz", **arrays)
+    out = load_npz(tmp_path, "digits/a.npz")
+    np.testing.assert_array_equal(out["x_train"], arrays["x_train"])
+
+
+def test_unreadable_npz(tmp_path):
+    (tmp_path / "digits").mkdir()
+    (tmp_path / "digits/a.npz").write_bytes(b"this is not a zip archive" * 10)
+    with pytest.raises(DataError, match="not a readable npz") as info:
+        load_npz(tmp_path, "digits/a.npz")
+    assert str(tmp_path / "digits/a.npz") in str(info.value)
+
+
+def test_missing_array_key_and_key_selection(tmp_path):
+    root = _write_folder(tmp_path, {"digits/a.npz": _arrays()})
+    assert set(load_npz(root, "digits/a.npz", keys=["y_train"])) == {"y_train"}
+    with pytest.raises(DataError, match="x_test") as info:
+        load_npz(root, "digits/a.npz", keys=["x_train", "x_test"])
+    assert str(root / "digits/a.npz") in str(info.value)
+
+
+def test_broken_manifest(tmp_path):
+    root = _write_folder(tmp_path, {"digits/a.npz": _arrays()})
+    (root / "manifest.json").write_text("{not json")
+    with pytest.raises(DataError, match="manifest") as info:
+        load_npz(root, "digits/a.npz")
+    assert str(root / "manifest.json") in str(info.value)
+
+
+# --- real data -------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("relpath", REAL_DIGIT_FILES)
+def test_real_digit_files_match_manifest(relpath):
+    root = _real_data_dir()
+    manifest = json.loads((root / "manifest.json").read_text())
+    entry = next(e for e in manifest.values() if e["file"] == relpath)
+    path = root / relpath
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert digest == entry["sha256"]
+    assert path.stat().st_size == entry["bytes"]
+    # The loader runs the same check and reads the arrays the manifest lists.
+    out = load_npz(root, relpath)
+    assert {k: list(v.shape) for k, v in out.items()} == entry["arrays"]

@@ -1,0 +1,114 @@
+import json
+
+import pytest
+import torch
+
+from fednorm.runs import store
+from fednorm.runs.config import load_config
+from fednorm.runs.runner import RunError, resume_run, start_run
+
+TINY = [
+    "data.domains=[rendered/print, rendered/neon]",
+    "data.rendered_size=300",
+    "data.pool_size=200",
+    "data.percent=0.2",
+    "model.width=0.125",
+    "training.precision=fp32",
+    "federation.rounds=4",
+    "federation.eval_every=2",
+]
+
+
+def tiny_config(*extra):
+    return load_config("default", TINY + list(extra))
+
+
+class Stop(Exception):
+    pass
+
+
+def stop_after(round_to_stop):
+    def progress(label, seed, rnd, rounds, last):
+        if label == "fedbn" and rnd == round_to_stop:
+            raise Stop()
+    return progress
+
+
+def test_run_writes_the_run_folder(tmp_path):
+    cfg = tiny_config()
+    results = start_run(cfg, tmp_path / "run")
+    run = tmp_path / "run"
+    assert (run / "config.yaml").exists() and (run / "results.md").exists() and (run / "comparison.png").exists()
+    cell = run / "fedbn" / "seed0"
+    records = store.read_metrics(cell / "metrics.jsonl")
+    assert {r["round"] for r in records} == {1, 2, 3, 4}
+    assert {r["round"] for r in records if r["split"] == "test"} == {2, 4}
+    assert {r["client"] for r in records} == {"rendered/print", "rendered/neon"}
+    summary = json.loads((cell / "summary.json").read_text())
+    last = [r for r in records if r["split"] == "test" and r["round"] == 4]
+    assert {c["name"]: c["test"]["final_acc"] for c in summary["clients"]} == {r["client"]: r["acc"] for r in last}
+    assert (cell / "accuracy.png").exists() and (cell / "loss.png").exists()
+    assert [r.label for r in results] == ["fedavg", "fedbn"]
+    text = (run / "results.md").read_text()
+    assert "rendered stand-in" in text and "rendered/print†" in text
+    with pytest.raises(RunError, match="fednorm resume"):
+        start_run(cfg, run)
+
+
+def test_resume_after_interruption_gives_identical_results(tmp_path):
+    cfg = tiny_config()
+    start_run(cfg, tmp_path / "straight")
+    with pytest.raises(Stop):
+        start_run(cfg, tmp_path / "stopped", progress=stop_after(3))
+    ckpt = torch.load(tmp_path / "stopped" / "fedbn" / "seed0" / "checkpoint.pt", weights_only=False)
+    assert ckpt["round"] == 3
+    resume_run(tmp_path / "stopped")
+    for label in ("fedavg", "fedbn"):
+        a = (tmp_path / "straight" / label / "seed0" / "metrics.jsonl").read_text()
+        b = (tmp_path / "stopped" / label / "seed0" / "metrics.jsonl").read_text()
+        assert a == b
+        sa = torch.load(tmp_path / "straight" / label / "seed0" / "checkpoint.pt", weights_only=False)
+        sb = torch.load(tmp_path / "stopped" / label / "seed0" / "checkpoint.pt", weights_only=False)
+        for k in sa["global_state"]:
+            assert torch.equal(sa["global_state"][k], sb["global_state"][k])
+
+
+def test_resume_drops_metrics_written_after_the_last_checkpoint(tmp_path):
+    cfg = tiny_config("federation.checkpoint_every=2")
+    start_run(cfg, tmp_path / "straight")
+    with pytest.raises(Stop):
+        start_run(cfg, tmp_path / "stopped", progress=stop_after(3))
+    cell = tmp_path / "stopped" / "fedbn" / "seed0"
+    assert max(r["round"] for r in store.read_metrics(cell / "metrics.jsonl")) == 3
+    with open(cell / "metrics.jsonl", "a") as fh:
+        fh.write('{"round": 4, "client": "x", "spl')  # a line cut by a kill
+    resume_run(tmp_path / "stopped")
+    assert (cell / "metrics.jsonl").read_text() == (tmp_path / "straight" / "fedbn" / "seed0" / "metrics.jsonl").read_text()
+
+
+def test_same_seed_same_numbers_and_seeds_differ(tmp_path):
+    cfg = tiny_config("seeds=[0, 1]", "methods=[fedbn]")
+    start_run(cfg, tmp_path / "a")
+    start_run(cfg, tmp_path / "b")
+    read = lambda d, s: (d / "fedbn" / f"seed{s}" / "metrics.jsonl").read_text()  # noqa: E731
+    assert read(tmp_path / "a", 0) == read(tmp_path / "b", 0)
+    assert read(tmp_path / "a", 0) != read(tmp_path / "a", 1)
+
+
+def test_centralized_trains_one_model_and_reports_every_domain(tmp_path):
+    cfg = tiny_config("methods=[centralized, singleset]", "federation.rounds=2")
+    start_run(cfg, tmp_path / "run")
+    records = store.read_metrics(tmp_path / "run" / "centralized" / "seed0" / "metrics.jsonl")
+    train = [r for r in records if r["split"] == "train"]
+    assert {r["client"] for r in train} == {"centralized"}
+    assert train[0]["n"] == 2 * 40  # the union of both clients' training data
+    assert {r["client"] for r in records if r["split"] == "test"} == {"rendered/print", "rendered/neon"}
+
+
+def test_missing_data_folder_is_reported_with_the_fix(tmp_path, monkeypatch):
+    monkeypatch.delenv("FEDNORM_DATA", raising=False)
+    cfg = load_config("default", TINY + ["data.domains=[mnist, rendered/print]"])
+    from fednorm.data.domain import DataError
+
+    with pytest.raises(DataError, match=r"(?s)nowhere.*(--data-dir|FEDNORM_DATA)"):
+        start_run(cfg, tmp_path / "run", data_dir=str(tmp_path / "nowhere"))
