@@ -1,0 +1,427 @@
+"""Procedurally rendered digits: an embedded multi-domain benchmark that needs no download.
+
+In the spirit of SynthDigits (Ganin & Lempitsky, 2015), digits 0-9 are drawn from the fonts that
+ship with matplotlib (DejaVu, STIX, Computer Modern) with random position, size, rotation, shear,
+stroke width, colours, background texture, blur and noise. Each rendering style is one domain, and
+the styles differ the way MNIST, MNIST-M, SVHN, SynthDigits and USPS differ (grey vs colour, light
+vs dark backgrounds, clutter, stroke thickness, noise). This is a rendered stand-in, not a real
+dataset: numbers obtained on it are not comparable with published results on the real benchmarks.
+
+Styles (see :data:`RENDER_STYLES`):
+
+* ``print``    - dark grey digits on light paper, clean, mild jitter (USPS / MNIST-like).
+* ``neon``     - thin saturated glowing digits on dark backgrounds.
+* ``synth``    - random-colour digits on random-colour backgrounds, any font (SynthDigits-like).
+* ``street``   - house-number crops with cut neighbour digits, gradients, low contrast (SVHN-like).
+* ``textured`` - thick digits that invert a colourful texture (MNIST-M-like).
+* ``outline``  - hollow coloured outline digits on pale backgrounds.
+
+Each (font, digit) glyph is rasterised once with PIL and cached; every sample is then produced with
+batched torch ops from a ``torch.Generator`` seeded by (seed, style), so output is deterministic and
+the global random state is left untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fednorm.data.domain import Split
+
+__all__ = ["RENDER_STYLES", "RenderStyle", "render_digits", "rendered_domain"]
+
+_GLYPH = 64  # side of the cached glyph canvas in pixels
+_GLYPH_HEIGHT = 0.70  # digit height as a fraction of the canvas
+_CHUNK = 512  # samples rendered per batch (bounds memory; fixed so output never depends on it)
+_LUMA = torch.tensor([0.299, 0.587, 0.114])
+
+_SANS = ("DejaVuSans.ttf", "DejaVuSans-Oblique.ttf", "cmss10.ttf")
+_SANS_BOLD = ("DejaVuSans-Bold.ttf", "DejaVuSans-BoldOblique.ttf")
+_SERIF = ("DejaVuSerif.ttf", "DejaVuSerif-Italic.ttf", "STIXGeneral.ttf", "STIXGeneralItalic.ttf", "cmr10.ttf")
+_SERIF_BOLD = ("DejaVuSerif-Bold.ttf", "DejaVuSerif-BoldItalic.ttf", "STIXGeneralBol.ttf", "STIXGeneralBolIta.ttf")
+_MONO = ("DejaVuSansMono.ttf", "DejaVuSansMono-Oblique.ttf", "cmtt10.ttf")
+_MONO_BOLD = ("DejaVuSansMono-Bold.ttf", "DejaVuSansMono-BoldOblique.ttf")
+
+
+@dataclass(frozen=True)
+class RenderStyle:
+    """All parameters of one rendering style (one domain). Ranges are (low, high), sampled uniformly.
+
+    Geometry is in units of the output image: ``scale`` 1 draws a digit about 70 % of the image
+    tall, ``shift`` is the largest offset as a fraction of the half-width. Colours are HSV
+    saturation/value ranges with uniformly random hue; ``blur`` is a gaussian sigma and ``noise``
+    a gaussian std, both in output pixels / [0, 1] intensity units.
+    """
+
+    description: str
+    fonts: tuple[str, ...]
+    strokes: tuple[int, ...] = (0,)  # morphological stroke change at glyph resolution (<0 thins, >0 thickens)
+    outline: bool = False  # draw only a ring around each stroke (hollow digits)
+    rotation: float = 0.0  # max |degrees|
+    scale: tuple[float, float] = (1.0, 1.0)
+    aspect: tuple[float, float] = (1.0, 1.0)  # horizontal stretch
+    shear: float = 0.0  # max |shear factor|
+    shift: float = 0.0
+    neighbours: float = 0.0  # probability of a cut neighbour digit on each side
+    fg_sat: tuple[float, float] = (0.0, 0.0)
+    fg_val: tuple[float, float] = (0.0, 0.0)
+    bg_sat: tuple[float, float] = (0.0, 0.0)
+    bg_val: tuple[float, float] = (1.0, 1.0)
+    swap: float = 0.0  # probability of swapping digit and background colours
+    min_contrast: float = 0.0  # minimum luminance difference between digit and background
+    fg_inverts_bg: bool = False  # digit pixels are the colour-inverted background (MNIST-M)
+    gradient: float = 0.0  # max strength of a linear blend towards a second background colour
+    texture: float = 0.0  # amplitude of multi-scale background texture
+    texture_colour: float = 0.0  # 0: grey texture, 1: independent texture per channel
+    glow: float = 0.0  # strength of a blurred halo in the digit colour
+    shading: float = 0.0  # max strength of a multiplicative lighting gradient over the whole image
+    blur: tuple[float, float] = (0.0, 0.0)
+    noise: tuple[float, float] = (0.0, 0.0)
+
+
+RENDER_STYLES: dict[str, RenderStyle] = {
+    "print": RenderStyle(
+        description="dark grey digits on light paper, clean, mild jitter, several fonts (USPS/MNIST-like)",
+        fonts=_SANS + _SERIF + _MONO,
+        strokes=(0, 1, 2),
+        rotation=10.0,
+        scale=(0.8, 1.15),
+        aspect=(0.8, 1.15),
+        shear=0.15,
+        shift=0.15,
+        fg_sat=(0.0, 0.08),
+        fg_val=(0.0, 0.3),
+        bg_sat=(0.0, 0.06),
+        bg_val=(0.82, 1.0),
+        texture=0.03,
+        blur=(0.3, 0.8),
+        noise=(0.0, 0.05),
+    ),
+    "neon": RenderStyle(
+        description="thin bright saturated digits with a glow on dark backgrounds",
+        fonts=_SANS + _SANS_BOLD[:1] + _MONO[:1] + _MONO_BOLD[:1],
+        strokes=(-1, 0),
+        rotation=15.0,
+        scale=(0.75, 1.15),
+        aspect=(0.8, 1.2),
+        shear=0.2,
+        shift=0.2,
+        fg_sat=(0.65, 1.0),
+        fg_val=(0.75, 1.0),
+        bg_sat=(0.2, 0.8),
+        bg_val=(0.02, 0.2),
+        min_contrast=0.2,
+        gradient=0.6,
+        glow=1.5,
+        blur=(0.4, 1.0),
+        noise=(0.02, 0.08),
+    ),
+    "synth": RenderStyle(
+        description="random-colour digit on random-colour background, any font, rotation, blur, noise (SynthDigits-like)",
+        fonts=_SANS + _SANS_BOLD + _SERIF + _SERIF_BOLD + _MONO + _MONO_BOLD,
+        strokes=(0, 1, 2),
+        rotation=20.0,
+        scale=(0.7, 1.2),
+        aspect=(0.75, 1.25),
+        shear=0.25,
+        shift=0.2,
+        neighbours=0.3,
+        fg_sat=(0.0, 1.0),
+        fg_val=(0.0, 1.0),
+        bg_sat=(0.0, 1.0),
+        bg_val=(0.0, 1.0),
+        min_contrast=0.3,
+        gradient=0.4,
+        blur=(0.0, 1.2),
+        noise=(0.0, 0.08),
+    ),
+    "street": RenderStyle(
+        description="centred house-number digit with cut neighbours, gradient/textured plate, low contrast, blur (SVHN-like)",
+        fonts=_SANS_BOLD + _SERIF_BOLD[:3] + _MONO_BOLD[:1] + ("DejaVuSans.ttf", "cmr10.ttf"),
+        strokes=(0, 1, 2),
+        rotation=10.0,
+        scale=(0.95, 1.25),
+        aspect=(0.8, 1.15),
+        shear=0.15,
+        shift=0.1,
+        neighbours=0.85,
+        fg_sat=(0.0, 0.5),
+        fg_val=(0.0, 0.35),
+        bg_sat=(0.1, 0.6),
+        bg_val=(0.35, 0.85),
+        swap=0.5,
+        min_contrast=0.2,
+        gradient=0.8,
+        texture=0.12,
+        texture_colour=0.3,
+        shading=0.5,
+        blur=(0.6, 1.4),
+        noise=(0.01, 0.05),
+    ),
+    "textured": RenderStyle(
+        description="thick digits that colour-invert a colourful texture background (MNIST-M-like)",
+        fonts=_SANS_BOLD[:1] + _SERIF_BOLD[:1] + ("STIXGeneralBol.ttf", "DejaVuSans.ttf"),
+        strokes=(0, 1, 2),
+        rotation=15.0,
+        scale=(0.8, 1.15),
+        aspect=(0.8, 1.15),
+        shear=0.15,
+        shift=0.15,
+        bg_sat=(0.3, 0.9),
+        bg_val=(0.2, 0.45),
+        fg_inverts_bg=True,
+        texture=0.35,
+        texture_colour=1.0,
+        blur=(0.2, 0.6),
+        noise=(0.0, 0.03),
+    ),
+    "outline": RenderStyle(
+        description="hollow coloured outline digits on pale pastel backgrounds",
+        fonts=_SANS_BOLD + _SERIF_BOLD[:1] + ("STIXGeneralBol.ttf",) + _MONO_BOLD[:1],
+        strokes=(1, 2, 3),
+        outline=True,
+        rotation=15.0,
+        scale=(0.85, 1.15),
+        aspect=(0.85, 1.15),
+        shear=0.2,
+        shift=0.15,
+        fg_sat=(0.6, 1.0),
+        fg_val=(0.35, 0.8),
+        bg_sat=(0.05, 0.25),
+        bg_val=(0.85, 1.0),
+        min_contrast=0.3,
+        gradient=0.5,
+        blur=(0.2, 0.6),
+        noise=(0.0, 0.04),
+    ),
+}
+
+
+def _font_path(name: str) -> Path:
+    import matplotlib
+
+    return Path(matplotlib.get_data_path()) / "fonts" / "ttf" / name
+
+
+@functools.lru_cache(maxsize=None)
+def _font_glyphs(font: str) -> torch.Tensor:
+    """The ten digits of one font, ink-centred on a blank canvas: float (10, G, G) in [0, 1]."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    pt = 160
+    ttf = ImageFont.truetype(str(_font_path(font)), pt)
+    out = np.zeros((10, _GLYPH, _GLYPH), dtype=np.float32)
+    for d in range(10):
+        img = Image.new("L", (3 * pt, 3 * pt), 0)
+        ImageDraw.Draw(img).text((pt, pt // 2), str(d), font=ttf, fill=255)
+        box = img.getbbox()
+        if box is None:
+            raise ValueError(f"font {font} has no glyph for digit {d}")
+        glyph = img.crop(box)
+        k = min(_GLYPH_HEIGHT * _GLYPH / glyph.height, 0.9 * _GLYPH / glyph.width)
+        w, h = max(1, round(glyph.width * k)), max(1, round(glyph.height * k))
+        glyph = glyph.resize((w, h), Image.Resampling.LANCZOS)
+        x0, y0 = (_GLYPH - w) // 2, (_GLYPH - h) // 2
+        out[d, y0 : y0 + h, x0 : x0 + w] = np.asarray(glyph, dtype=np.float32) / 255.0
+    return torch.from_numpy(out)
+
+
+def _morph(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Dilate (k > 0) or erode (k < 0) soft masks (N, 1, H, W) with a (2|k|+1) square."""
+    if k == 0:
+        return x
+    r = abs(k)
+    if k > 0:
+        return F.max_pool2d(x, 2 * r + 1, stride=1, padding=r)
+    return -F.max_pool2d(-x, 2 * r + 1, stride=1, padding=r)
+
+
+@functools.lru_cache(maxsize=None)
+def _glyph_bank(fonts: tuple[str, ...], strokes: tuple[int, ...], outline: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """All (font, stroke, digit) masks as (F*S*10, 1, G, G) plus each glyph's half-width in [-1, 1] units."""
+    masks = []
+    for font in fonts:
+        base = _font_glyphs(font).unsqueeze(1)
+        for s in strokes:
+            m = _morph(base, s)
+            if outline:
+                m = (_morph(m, 3) - m).clamp_(0.0, 1.0)
+            masks.append(m)
+    # pre-filter so that bilinear sampling straight down to the output size does not alias
+    bank = F.avg_pool2d(torch.cat(masks), 3, stride=1, padding=1, count_include_pad=False)
+    cols = (bank[:, 0] > 0.3).any(dim=1)  # (N, G) ink columns
+    idx = torch.arange(_GLYPH).expand_as(cols)
+    left = torch.where(cols, idx, _GLYPH).amin(dim=1)
+    right = torch.where(cols, idx, -1).amax(dim=1)
+    half_width = (right - left + 1).clamp(min=1).float() / _GLYPH
+    return bank, half_width
+
+
+def _uniform(gen: torch.Generator, n: int, lo_hi: tuple[float, float]) -> torch.Tensor:
+    lo, hi = lo_hi
+    return lo + (hi - lo) * torch.rand(n, generator=gen)
+
+
+def _hsv_to_rgb(h: torch.Tensor, s: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Vectors of hue/saturation/value in [0, 1] -> (N, 3) RGB."""
+    k = (torch.tensor([5.0, 3.0, 1.0]) + 6.0 * h[:, None]) % 6.0
+    return v[:, None] * (1.0 - s[:, None] * torch.minimum(k, 4.0 - k).clamp(0.0, 1.0))
+
+
+def _random_colour(gen: torch.Generator, n: int, sat: tuple[float, float], val: tuple[float, float]) -> torch.Tensor:
+    h = torch.rand(n, generator=gen)
+    return _hsv_to_rgb(h, _uniform(gen, n, sat), _uniform(gen, n, val))
+
+
+def _enforce_contrast(fg: torch.Tensor, bg: torch.Tensor, c: float) -> torch.Tensor:
+    """Move fg towards black (light bg) or white (dark bg) until luminances differ by at least c."""
+    yf, yb = fg @ _LUMA, bg @ _LUMA
+    to_black = yb > 0.5
+    a_black = (yf - (yb - c)) / yf.clamp(min=1e-6)
+    a_white = ((yb + c) - yf) / (1.0 - yf).clamp(min=1e-6)
+    a = torch.where(to_black, a_black, a_white).clamp(0.0, 1.0)[:, None]
+    target = torch.where(to_black[:, None], torch.zeros_like(fg), torch.ones_like(fg))
+    return fg + a * (target - fg)
+
+
+def _blur(img: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """Separable gaussian blur with one sigma per sample; img (N, C, H, W), sigma (N,)."""
+    n, c, h, w = img.shape
+    r = min(max(1, math.ceil(3.0 * float(sigma.max()))), h - 1, w - 1)
+    taps = torch.arange(-r, r + 1, dtype=img.dtype)
+    k = torch.exp(-(taps**2) / (2.0 * sigma.clamp(min=0.05)[:, None] ** 2))
+    k = (k / k.sum(dim=1, keepdim=True)).repeat_interleave(c, dim=0)  # (N*C, K)
+    x = F.pad(img.reshape(1, n * c, h, w), (r, r, r, r), mode="reflect")
+    x = F.conv2d(x, k.view(n * c, 1, 1, -1), groups=n * c)
+    x = F.conv2d(x, k.view(n * c, 1, -1, 1), groups=n * c)
+    return x.view(n, c, h, w)
+
+
+def _smooth_noise(gen: torch.Generator, n: int, c: int, size: int) -> torch.Tensor:
+    """Multi-scale smooth noise (n, c, size, size) with roughly unit amplitude (octaves summed coarse to fine)."""
+    out = 0.6 * torch.randn(n, c, 3, 3, generator=gen)
+    for cells, weight in ((6, 0.5), (12, 0.35)):
+        out = F.interpolate(out, size=(cells, cells), mode="bicubic", align_corners=False)
+        out = out + weight * torch.randn(n, c, cells, cells, generator=gen)
+    return F.interpolate(out, size=(size, size), mode="bicubic", align_corners=False)
+
+
+def _ramp(gen: torch.Generator, n: int, size: int) -> torch.Tensor:
+    """Linear ramps in [-1, 1] along a random direction per sample: (n, 1, size, size)."""
+    phi = 2.0 * math.pi * torch.rand(n, generator=gen)
+    t = torch.linspace(-1.0, 1.0, size)
+    yy, xx = torch.meshgrid(t, t, indexing="ij")
+    r = torch.cos(phi)[:, None, None] * xx + torch.sin(phi)[:, None, None] * yy
+    return (r / math.sqrt(2.0)).unsqueeze(1)
+
+
+def _render_masks(st: RenderStyle, gen: torch.Generator, y: torch.Tensor, size: int) -> torch.Tensor:
+    """Digit coverage masks (n, 1, size, size) for labels y, with the style's geometry."""
+    bank, half_width = _glyph_bank(st.fonts, st.strokes, st.outline)
+    n = y.shape[0]
+    variant = torch.randint(0, len(st.fonts) * len(st.strokes), (n,), generator=gen) * 10
+
+    ang = torch.deg2rad(_uniform(gen, n, (-st.rotation, st.rotation)))
+    s = _uniform(gen, n, st.scale)
+    asp = _uniform(gen, n, st.aspect)
+    sh = _uniform(gen, n, (-st.shear, st.shear))
+    t = _uniform(gen, 2 * n, (-st.shift, st.shift)).view(n, 2)
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    # forward glyph -> image map M = s * R(ang) @ [[1, sh], [0, 1]] @ diag(asp, 1); grid_sample needs its inverse
+    m = torch.stack(
+        [torch.stack([cos * asp, cos * sh - sin], -1), torch.stack([sin * asp, sin * sh + cos], -1)], -2
+    ) * s[:, None, None]
+    inv = torch.linalg.inv(m)
+    off = -(inv @ t.unsqueeze(-1)).squeeze(-1)
+
+    u = (torch.arange(size, dtype=torch.float32) + 0.5) * (2.0 / size) - 1.0  # pixel centres, align_corners=False
+    ux, uy = u.view(1, 1, size), u.view(1, size, 1)
+    gx = inv[:, 0, 0, None, None] * ux + inv[:, 0, 1, None, None] * uy + off[:, 0, None, None]
+    gy = inv[:, 1, 0, None, None] * ux + inv[:, 1, 1, None, None] * uy + off[:, 1, None, None]
+    mask = F.grid_sample(bank[y + variant], torch.stack([gx, gy], -1), align_corners=False)
+
+    if st.neighbours > 0:
+        hw_c = half_width[y + variant]
+        for side in (-1.0, 1.0):
+            present = torch.rand(n, generator=gen) < st.neighbours
+            d = torch.randint(0, 10, (n,), generator=gen) + variant
+            gap = _uniform(gen, n, (0.05, 0.2))
+            dx = side * (hw_c + half_width[d] + gap)
+            grid = torch.stack([gx - dx[:, None, None], gy], -1)
+            other = F.grid_sample(bank[d], grid, align_corners=False)
+            mask = torch.maximum(mask, other * present[:, None, None, None])
+    return mask.clamp_(0.0, 1.0)
+
+
+def _render_chunk(st: RenderStyle, gen: torch.Generator, y: torch.Tensor, size: int) -> torch.Tensor:
+    n = y.shape[0]
+    mask = _render_masks(st, gen, y, size)
+
+    fg = _random_colour(gen, n, st.fg_sat, st.fg_val)
+    bg = _random_colour(gen, n, st.bg_sat, st.bg_val)
+    fg2 = _random_colour(gen, n, st.fg_sat, st.fg_val)
+    bg2 = _random_colour(gen, n, st.bg_sat, st.bg_val)
+    swap = (torch.rand(n, generator=gen) < st.swap)[:, None]
+    fg, bg, bg2 = torch.where(swap, bg, fg), torch.where(swap, fg, bg), torch.where(swap, fg2, bg2)
+    if st.min_contrast > 0:
+        fg = _enforce_contrast(fg, bg, st.min_contrast)
+
+    back = bg[:, :, None, None].expand(n, 3, size, size)
+    if st.gradient > 0:
+        g = _uniform(gen, n, (0.0, st.gradient)).view(n, 1, 1, 1)
+        w = g * (_ramp(gen, n, size) + 1.0) / 2.0
+        back = back + w * (bg2 - bg)[:, :, None, None]
+    if st.texture > 0:
+        c = st.texture_colour
+        grey = _smooth_noise(gen, n, 1, size) if c < 1 else 0.0
+        colour = _smooth_noise(gen, n, 3, size) if c > 0 else 0.0
+        back = back + st.texture * ((1.0 - c) * grey + c * colour)
+    back = back.clamp(0.0, 1.0)
+
+    front = 1.0 - back if st.fg_inverts_bg else fg[:, :, None, None]
+    img = back + mask * (front - back)
+    if st.glow > 0:
+        halo = _blur(mask, _uniform(gen, n, (1.5, 3.0)))
+        img = img + st.glow * halo * (1.0 - mask) * fg[:, :, None, None]
+    if st.shading > 0:
+        a = _uniform(gen, n, (0.0, st.shading)).view(n, 1, 1, 1)
+        img = img * (1.0 + a * _ramp(gen, n, size))
+    img = _blur(img.clamp(0.0, 1.0), _uniform(gen, n, st.blur))
+    std = _uniform(gen, n, st.noise).view(n, 1, 1, 1)
+    img = img + std * torch.randn(n, 1, size, size, generator=gen)
+    return (img.clamp(0.0, 1.0) * 255.0).round().to(torch.uint8)
+
+
+def _generator(style: str, seed: int) -> torch.Generator:
+    digest = hashlib.sha256(f"fednorm.rendered/{style}/{seed}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def render_digits(style: str, n: int, seed: int, size: int = 28) -> Split:
+    """Render ``n`` balanced, shuffled digits in ``style`` as uint8 (n, 3, size, size); deterministic in all arguments."""
+    if style not in RENDER_STYLES:
+        raise ValueError(f"unknown render style {style!r}; valid styles: {', '.join(sorted(RENDER_STYLES))}")
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if size < 8:
+        raise ValueError(f"size must be >= 8, got {size}")
+    st = RENDER_STYLES[style]
+    gen = _generator(style, seed)
+    y = (torch.arange(n) % 10)[torch.randperm(n, generator=gen)]
+    with torch.no_grad():
+        chunks = [_render_chunk(st, gen, y[i : i + _CHUNK], size) for i in range(0, n, _CHUNK)]
+    x = torch.cat(chunks) if chunks else torch.zeros(0, 3, size, size, dtype=torch.uint8)
+    return Split(x, y.to(torch.int64))
+
+
+def rendered_domain(style: str, n: int = 9298, seed: int = 0, size: int = 28) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full pool of one style as (x uint8 (n, 3, size, size), y int64); the caller splits it."""
+    split = render_digits(style, n, seed, size)
+    return split.x, split.y
