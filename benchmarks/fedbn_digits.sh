@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# FedBN digits benchmark (FedBN Table 11) on MNIST, MNIST-M, USPS (real, from ../shared/data) and two
+# rendered stand-ins for SVHN / SynthDigits. One run folder per (method, seed), so partial results are
+# usable and `fednorm report` merges them; re-running the script resumes unfinished cells.
+# bf16 autocast (AMX) is used for time on a 2-core CPU; pass PRECISION=fp32 for the paper's numerics.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results/fedbn_digits}
+DATA=${DATA:-../shared/data}
+PRECISION=${PRECISION:-bf16}
+CELLS=${CELLS:-"fedbn:0 fedavg:0 singleset:0 fedprox:0 fedbn:1 fedavg:1 fedbn:2 fedavg:2"}
+for cell in $CELLS; do
+  method=${cell%%:*}; seed=${cell##*:}
+  dir="$OUT/$method-seed$seed"
+  start=$(date +%s)
+  if [ -f "$dir/config.yaml" ]; then
+    .venv/bin/fednorm resume "$dir" --data-dir "$DATA" --quiet
+  else
+    .venv/bin/fednorm run fedbn_digits --data-dir "$DATA" --set "methods=[$method]" --set "seeds=[$seed]" \
+      --set "training.precision=$PRECISION" --out "$dir" --quiet
+  fi
+  echo "$method seed $seed: $(( $(date +%s) - start )) s wall" | tee -a "$OUT/wall_times.txt"
+done
+.venv/bin/fednorm report "$OUT"/* --markdown
