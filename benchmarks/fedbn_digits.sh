@@ -21,4 +21,4 @@ for cell in $CELLS; do
   fi
   echo "$method seed $seed: $(( $(date +%s) - start )) s wall" | tee -a "$OUT/wall_times.txt"
 done
-.venv/bin/fednorm report "$OUT"/* --markdown
+.venv/bin/fednorm report "$OUT"/*/ --markdown | tee "$OUT/table.md"

@@ -2,14 +2,47 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from fednorm.data.domain import ClientData, Split
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def real_data_dir() -> Path:
+    """The real offline data folder (FEDNORM_DATA, else ../shared/data); skips the test if it is absent."""
+    env = os.environ.get("FEDNORM_DATA")
+    folder = Path(env) if env else SHARED_DATA
+    if not folder.is_dir():
+        pytest.skip(f"real data folder {folder} is absent (set FEDNORM_DATA to run this test)")
+    return folder
+
+
+def write_data_folder(root: Path, files: dict[str, dict[str, np.ndarray]], listed=None) -> Path:
+    """Write npz files and a manifest.json in the documented format; ``listed`` limits the manifest."""
+    manifest = {}
+    for relpath, arrays in files.items():
+        path = root / relpath
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(path, **arrays)
+        if listed is None or relpath in listed:
+            data = path.read_bytes()
+            manifest[Path(relpath).stem] = {
+                "file": relpath,
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "bytes": len(data),
+                "arrays": {k: list(v.shape) for k, v in arrays.items()},
+                "source": "test",
+            }
+    (root / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return root
 
 
 def make_split(n: int, seed: int, shift: float = 0.0, size: int = 28) -> Split:

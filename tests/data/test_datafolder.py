@@ -15,35 +15,13 @@ from fednorm.data import datafolder
 from fednorm.data.datafolder import ENV_VAR, load_npz, resolve_data_dir
 from fednorm.data.domain import DataError
 
+from ..conftest import real_data_dir, write_data_folder
+
 REAL_DIGIT_FILES = ["digits/mnist.npz", "digits/mnistm.npz", "digits/usps.npz", "digits/semeion.npz"]
 
 
-def _real_data_dir() -> Path:
-    env = os.environ.get(ENV_VAR)
-    folder = Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "data"
-    if not folder.is_dir():
-        pytest.skip(f"real data folder {folder} is absent (set {ENV_VAR} to run this test)")
-    return folder
 
 
-def _write_folder(root: Path, files: dict[str, dict[str, np.ndarray]], listed=None) -> Path:
-    """Write npz files and a manifest in the documented format; ``listed`` limits the manifest."""
-    manifest = {}
-    for relpath, arrays in files.items():
-        path = root / relpath
-        path.parent.mkdir(parents=True, exist_ok=True)
-        np.savez_compressed(path, **arrays)
-        if listed is None or relpath in listed:
-            data = path.read_bytes()
-            manifest[Path(relpath).stem] = {
-                "file": relpath,
-                "sha256": hashlib.sha256(data).hexdigest(),
-                "bytes": len(data),
-                "arrays": {k: list(v.shape) for k, v in arrays.items()},
-                "source": "test",
-            }
-    (root / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    return root
 
 
 def _arrays(seed: int = 0) -> dict[str, np.ndarray]:
@@ -93,7 +71,7 @@ def test_resolve_creates_nothing(monkeypatch, tmp_path):
 
 def test_listed_file_is_verified_and_loaded(tmp_path, monkeypatch):
     arrays = _arrays()
-    root = _write_folder(tmp_path, {"digits/a.npz": arrays})
+    root = write_data_folder(tmp_path, {"digits/a.npz": arrays})
     hashed = []
     real_sha = datafolder._sha256
     monkeypatch.setattr(datafolder, "_sha256", lambda p: hashed.append(p) or real_sha(p))
@@ -109,7 +87,7 @@ def test_listed_file_is_verified_and_loaded(tmp_path, monkeypatch):
 
 
 def test_changed_file_is_rehashed_and_rejected(tmp_path):
-    root = _write_folder(tmp_path, {"digits/a.npz": _arrays()})
+    root = write_data_folder(tmp_path, {"digits/a.npz": _arrays()})
     path = root / "digits/a.npz"
     load_npz(root, "digits/a.npz")
     stat = path.stat()
@@ -120,7 +98,7 @@ def test_changed_file_is_rehashed_and_rejected(tmp_path):
 
 
 def test_corrupted_file_names_file_checksums_and_fix(tmp_path):
-    root = _write_folder(tmp_path, {"digits/a.npz": _arrays()})
+    root = write_data_folder(tmp_path, {"digits/a.npz": _arrays()})
     path = root / "digits/a.npz"
     expected = json.loads((root / "manifest.json").read_text())["a"]["sha256"]
     _flip_byte(path, 40)  # same size, different content
@@ -134,7 +112,7 @@ def test_corrupted_file_names_file_checksums_and_fix(tmp_path):
 
 
 def test_wrong_size_is_rejected_before_hashing(tmp_path, monkeypatch):
-    root = _write_folder(tmp_path, {"digits/a.npz": _arrays()})
+    root = write_data_folder(tmp_path, {"digits/a.npz": _arrays()})
     path = root / "digits/a.npz"
     path.write_bytes(path.read_bytes()[:-10])
     monkeypatch.setattr(datafolder, "_sha256", lambda p: pytest.fail("hashed a truncated file"))
@@ -144,7 +122,7 @@ def test_wrong_size_is_rejected_before_hashing(tmp_path, monkeypatch):
 
 
 def test_missing_file(tmp_path):
-    root = _write_folder(tmp_path, {"digits/a.npz": _arrays()})
+    root = write_data_folder(tmp_path, {"digits/a.npz": _arrays()})
     with pytest.raises(DataError, match="missing") as info:
         load_npz(root, "digits/b.npz")
     assert str(root / "digits/b.npz") in str(info.value)
@@ -175,7 +153,7 @@ def test_unreadable_npz(tmp_path):
 
 
 def test_missing_array_key_and_key_selection(tmp_path):
-    root = _write_folder(tmp_path, {"digits/a.npz": _arrays()})
+    root = write_data_folder(tmp_path, {"digits/a.npz": _arrays()})
     assert set(load_npz(root, "digits/a.npz", keys=["y_train"])) == {"y_train"}
     with pytest.raises(DataError, match="x_test") as info:
         load_npz(root, "digits/a.npz", keys=["x_train", "x_test"])
@@ -183,7 +161,7 @@ def test_missing_array_key_and_key_selection(tmp_path):
 
 
 def test_broken_manifest(tmp_path):
-    root = _write_folder(tmp_path, {"digits/a.npz": _arrays()})
+    root = write_data_folder(tmp_path, {"digits/a.npz": _arrays()})
     (root / "manifest.json").write_text("{not json")
     with pytest.raises(DataError, match="manifest") as info:
         load_npz(root, "digits/a.npz")
@@ -196,7 +174,7 @@ def test_broken_manifest(tmp_path):
 @pytest.mark.integration
 @pytest.mark.parametrize("relpath", REAL_DIGIT_FILES)
 def test_real_digit_files_match_manifest(relpath):
-    root = _real_data_dir()
+    root = real_data_dir()
     manifest = json.loads((root / "manifest.json").read_text())
     entry = next(e for e in manifest.values() if e["file"] == relpath)
     path = root / relpath

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,34 +9,14 @@ import torch
 from PIL import Image
 
 from fednorm.data import digits
-from fednorm.data.datafolder import ENV_VAR
 from fednorm.data.digits import REAL_DIGIT_DOMAINS, load_digit_pool
 from fednorm.data.domain import DataError
 
-
-def _real_data_dir() -> Path:
-    env = os.environ.get(ENV_VAR)
-    folder = Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "data"
-    if not folder.is_dir():
-        pytest.skip(f"real data folder {folder} is absent (set {ENV_VAR} to run this test)")
-    return folder
+from ..conftest import real_data_dir, write_data_folder
 
 
-def _write_folder(root: Path, files: dict[str, dict[str, np.ndarray]]) -> Path:
-    manifest = {}
-    for relpath, arrays in files.items():
-        path = root / relpath
-        path.parent.mkdir(parents=True, exist_ok=True)
-        np.savez_compressed(path, **arrays)
-        data = path.read_bytes()
-        manifest[Path(relpath).stem] = {
-            "file": relpath,
-            "sha256": hashlib.sha256(data).hexdigest(),
-            "bytes": len(data),
-            "arrays": {k: list(v.shape) for k, v in arrays.items()},
-        }
-    (root / "manifest.json").write_text(json.dumps(manifest))
-    return root
+
+
 
 
 def _images(rng, n, *shape):
@@ -75,7 +51,7 @@ def fake_folder(tmp_path):
             "y": np.array([3, 1, 4, 1, 5], dtype=np.uint8),
         },
     }
-    return _write_folder(tmp_path, files), files
+    return write_data_folder(tmp_path, files), files
 
 
 def _pil_resize(img: np.ndarray) -> np.ndarray:
@@ -123,7 +99,7 @@ def test_mnistm_rgb_resized_channels_kept(fake_folder):
 def test_mnistm_constant_colour_survives_resize(tmp_path):
     img = np.zeros((1, 32, 32, 3), dtype=np.uint8)
     img[..., 0], img[..., 1], img[..., 2] = 200, 10, 255
-    root = _write_folder(
+    root = write_data_folder(
         tmp_path,
         {
             "digits/mnistm.npz": {
@@ -185,7 +161,7 @@ def test_corrupt_file_fails_with_data_error(fake_folder):
     ],
 )
 def test_malformed_file_is_rejected(tmp_path, arrays, match):
-    root = _write_folder(tmp_path, {"digits/semeion.npz": arrays})
+    root = write_data_folder(tmp_path, {"digits/semeion.npz": arrays})
     with pytest.raises(DataError, match=match) as info:
         load_digit_pool("semeion", root)
     assert str(root / "digits/semeion.npz") in str(info.value)
@@ -199,7 +175,7 @@ def test_malformed_file_is_rejected(tmp_path, arrays, match):
     "name, size", [("mnist", 70000), ("mnistm", 18000), ("usps", 9298), ("semeion", 1593)]
 )
 def test_real_pool_sizes(name, size):
-    x, y = load_digit_pool(name, _real_data_dir())
+    x, y = load_digit_pool(name, real_data_dir())
     assert x.shape == (size, 3, 28, 28) and x.dtype == torch.uint8
     assert y.shape == (size,) and y.dtype == torch.int64
     assert torch.bincount(y, minlength=10).min() > 0 and int(y.max()) == 9
@@ -207,7 +183,7 @@ def test_real_pool_sizes(name, size):
 
 @pytest.mark.integration
 def test_real_usps_union_order():
-    root = _real_data_dir()
+    root = real_data_dir()
     x, y = load_digit_pool("usps", root)
     with np.load(root / "digits/usps.npz") as f:
         first, last = f["x_train"][0], f["x_test"][-1]

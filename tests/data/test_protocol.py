@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from sklearn.model_selection import StratifiedShuffleSplit
 
-from fednorm.data.datafolder import ENV_VAR
 from fednorm.data.digits import load_digit_pool
 from fednorm.data.protocol import (
     FEDBN_NUM_PARTITIONS,
@@ -20,18 +17,14 @@ from fednorm.data.protocol import (
     stratified_split,
 )
 
+from ..conftest import real_data_dir
+
 # USPS class counts of train + test (9298 images): unbalanced, 708 .. 1553 per class.
 USPS_COUNTS = [1553, 1269, 929, 824, 852, 716, 834, 792, 708, 821]
 # Boundaries of the official utils/data_preprocess.py split(): int(743.8 * n), n = 0..10.
 OFFICIAL_EDGES = [int(743.8 * n) for n in range(11)]
 
 
-def _real_data_dir() -> Path:
-    env = os.environ.get(ENV_VAR)
-    folder = Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "data"
-    if not folder.is_dir():
-        pytest.skip(f"real data folder {folder} is absent (set {ENV_VAR} to run this test)")
-    return folder
 
 
 def _pool(counts=USPS_COUNTS, seed=0):
@@ -276,7 +269,7 @@ def test_images_and_labels_must_match(usps_like):
      ("semeion", 1274, 319, 1274)],
 )
 def test_real_protocol_sizes(name, n_train, n_test, pool):
-    x, y = load_digit_pool(name, _real_data_dir())
+    x, y = load_digit_pool(name, real_data_dir())
     train_idx, test_idx = stratified_split(y)
     assert (len(train_idx), len(test_idx)) == (n_train, n_test)
     (client,) = fedbn_domain_clients(name, x, y, percent=0.1)

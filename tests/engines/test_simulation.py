@@ -2,7 +2,6 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 from fednorm.data.domain import ClientData, normalize_batch
 from fednorm.engines.simulation import Federation, InProcessEngine, derive_seed
@@ -194,3 +193,26 @@ def test_fedbn_client_state_is_only_bn(tiny_clients):
     model_size = sum(v.numel() for v in eng.global_state.values())
     for state in eng.local_states.values():
         assert sum(v.numel() for v in state.values()) < 0.05 * model_size
+
+
+def test_persistent_optimizer_keeps_momentum_per_client_and_fresh_does_not(tiny_clients):
+    momentum = LocalTraining(batch_size=8, lr=0.05, momentum=0.9)
+    fresh = engine(tiny_clients, "fedavg", training=momentum)
+    kept = engine(tiny_clients, "fedavg", training=momentum, persistent_optimizer=True)
+    fresh.run_round()
+    kept.run_round()
+    assert fresh.optimizer_states == {}
+    assert set(kept.optimizer_states) == {"c0", "c1", "c2"}
+    assert all(s["state"] for s in kept.optimizer_states.values())  # momentum buffers exist
+    for k in fresh.global_state:  # identical first round: the optimizers start the same
+        assert torch.equal(fresh.global_state[k], kept.global_state[k])
+    fresh.run_round()
+    kept.run_round()
+    assert not torch.equal(fresh.global_state["features.0.weight"], kept.global_state["features.0.weight"])
+
+
+def test_fixed_local_steps_give_every_client_the_same_iterations(tiny_clients):
+    eng = engine(tiny_clients, "fedbn", training=LocalTraining(batch_size=8, lr=0.05, steps=5))
+    results = eng.run_round()
+    assert {r.num_steps for r in results.values()} == {5}
+    assert {r.num_examples for r in results.values()} == {40}  # small clients repeat sampling

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fednorm.data.domain import Split, normalize_batch
+from fednorm.data.domain import normalize_batch
 from fednorm.methods.local_update import LocalTraining, batch_schedule, train_locally
 
 from ..conftest import make_split

@@ -1,5 +1,4 @@
 import pytest
-import torch
 from torch import nn
 
 from fednorm.methods.policy import local_state_keys, shared_state_keys

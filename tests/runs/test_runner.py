@@ -1,5 +1,4 @@
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -117,12 +116,9 @@ def test_missing_data_folder_is_reported_with_the_fix(tmp_path, monkeypatch):
 
 @pytest.mark.integration
 def test_real_digit_domains_run_end_to_end(tmp_path):
-    from ..conftest import SHARED_DATA
-    import os
+    from ..conftest import real_data_dir
 
-    data = os.environ.get("FEDNORM_DATA") or str(SHARED_DATA)
-    if not (Path(data) / "digits" / "usps.npz").exists():
-        pytest.skip(f"no offline digit data at {data} (set FEDNORM_DATA)")
+    data = str(real_data_dir())
     cfg = load_config("fedbn_digits", ["data.domains=[usps, semeion, rendered/synth]", "model.width=0.125",
                                        "federation.rounds=2", "federation.eval_every=1", "seeds=[0]",
                                        "methods=[fedavg, fedbn]", "data.percent=0.1"])
