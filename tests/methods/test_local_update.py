@@ -57,7 +57,10 @@ def test_fixed_steps_repeat_sampling_for_small_clients():
     cfg = LocalTraining(steps=10, batch_size=32)
     batches = batch_schedule(40, cfg, torch.Generator().manual_seed(0), guard_single=False)
     assert len(batches) == 10
-    assert all(len(b) in (32, 8) for b in batches)
+    assert all(len(b) == 32 for b in batches)
+    stream = torch.cat(batches)
+    for start in range(0, 320 - 40, 40):  # each pass over the 40 samples sees every sample once
+        assert sorted(stream[start:start + 40].tolist()) == list(range(40))
 
 
 def test_single_sample_tail_batch_is_dropped_for_batchnorm_only():

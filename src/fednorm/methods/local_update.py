@@ -1,7 +1,7 @@
 """Client update: local SGD on the client's own data, with the optional FedProx proximal term.
 
 One round of local training runs ``epochs`` passes over the client's data in shuffled mini-batches,
-or, when ``steps`` is set, exactly that many mini-batches, reshuffling and starting a new pass
+or, when ``steps`` is set, exactly that many full mini-batches, reshuffling and starting a new pass
 whenever the data run out (FedBN App. E.6: clients with less data repeat sampling so that all
 clients run the same number of local iterations).
 
@@ -65,7 +65,8 @@ def batch_schedule(
     """Index tensors of the round's mini-batches, in order.
 
     With ``guard_single`` (the model has BatchNorm), a trailing batch of one sample is dropped:
-    BatchNorm cannot compute batch statistics from one sample in training mode.
+    BatchNorm cannot compute batch statistics from one sample in training mode. With ``steps``,
+    every batch is full (batch size 1 included, which the caller's model must support).
     """
     if n == 0:
         raise ValueError("client has no training data")
@@ -89,9 +90,11 @@ def batch_schedule(
         for _ in range(cfg.epochs):
             batches.extend(one_pass())
     else:
-        while len(batches) < cfg.steps:
-            batches.extend(one_pass())
-        batches = batches[: cfg.steps]
+        # fixed iterations (FedBN App. E.6): shuffled passes are chained and cut into full batches,
+        # so every client runs `steps` batches of the same size whatever its data size
+        need = cfg.steps * cfg.batch_size
+        stream = torch.cat([torch.randperm(n, generator=generator) for _ in range(-(-need // n))])
+        batches = list(torch.split(stream[:need], cfg.batch_size))
     return batches
 
 
