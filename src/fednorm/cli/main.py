@@ -50,7 +50,7 @@ class _Progress:
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=console, disable=quiet,
         )
-        self.task = self.bar.add_task("rounds", total=total, info="")
+        self.task = self.bar.add_task("preparing data", total=total, info="")
         self.done: dict[tuple[str, int], int] = {}
 
     def __call__(self, label: str, seed: int, rnd: int, rounds: int, last: dict) -> None:
@@ -136,16 +136,15 @@ def report(
 def methods() -> None:
     """List the methods, one line each."""
     for name, m in PRESETS.items():
-        console.print(f"[bold]{name:12s}[/] {m.summary}  [dim]({m.paper}; policy {m.policy})[/]", highlight=False)
+        console.print(f"[bold]{name:12s}[/] {m.summary}  [dim]({m.paper}; policy {m.policy})[/]", highlight=False,
+                      soft_wrap=True)
 
 
 @app.command()
 def presets() -> None:
     """List the experiment presets shipped with fednorm."""
-    from ..runs.config import load_config as _load
-
     for name in preset_names():
-        console.print(f"[bold]{name:14s}[/] {_load(name).description}", highlight=False)
+        console.print(f"[bold]{name:14s}[/] {load_config(name).description}", highlight=False, soft_wrap=True)
 
 
 if __name__ == "__main__":

@@ -213,4 +213,4 @@ def validate(document: dict, source: str = "config") -> ExperimentConfig:
 def load_config(source: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
     """A config file path or preset name (default: the ``default`` preset), with overrides applied."""
     document = apply_overrides(_read_document(source), overrides or [])
-    return validate(document, source=str(source or "default preset"))
+    return validate(document, source=f"config {str(source or 'default')!r}")
