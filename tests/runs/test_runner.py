@@ -50,7 +50,7 @@ def test_run_writes_the_run_folder(tmp_path):
     assert (cell / "accuracy.png").exists() and (cell / "loss.png").exists()
     assert [r.label for r in results] == ["fedavg", "fedbn"]
     text = (run / "results.md").read_text()
-    assert "rendered stand-in" in text and "rendered/print†" in text
+    assert "rendered stand-in" in text and "| print† |" in text and "rendered/print" in text
     with pytest.raises(RunError, match="fednorm resume"):
         start_run(cfg, run)
 

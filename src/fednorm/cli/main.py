@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -19,7 +20,9 @@ from ..runs.report import ResultsTable, build_table, read_summaries
 from ..runs.runner import RunError, load_run_config, resume_run, start_run
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
-console = Console()
+
+# not a terminal (a pipe, a log file, CI): wide enough that result tables never wrap
+console = Console() if sys.stdout.isatty() else Console(width=200)
 err_console = Console(stderr=True)
 
 _USER_ERRORS = (ConfigError, DataError, RunError, UpdateError, FloatingPointError)
@@ -34,7 +37,7 @@ def _print_table(table: ResultsTable, title: str) -> None:
     rows = table.text_rows()
     t = Table(title=title, show_lines=False)
     for i, head in enumerate(rows[0]):
-        t.add_column(head, justify="left" if i == 0 else "right")
+        t.add_column(head, justify="left" if i == 0 else "right", no_wrap=True)
     for row in rows[1:]:
         t.add_row(*row, style="dim" if row[0].strip() == "paper" else None)
     console.print(t)

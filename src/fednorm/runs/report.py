@@ -35,7 +35,10 @@ class ResultsTable:
         return float(np.mean(values)) * 100, float(np.std(values)) * 100, len(values)
 
     def header(self, column: str) -> str:
-        return column + (DAGGER if self.origins.get(column, "real") != "real" else "")
+        """Column title: the client name; rendered clients lose the ``rendered/`` prefix and get a dagger."""
+        if self.origins.get(column, "real") == "real":
+            return column
+        return column.removeprefix("rendered/") + DAGGER
 
     def to_dict(self) -> dict:
         out = {"metric": self.metric, "columns": self.columns, "methods": {}}
