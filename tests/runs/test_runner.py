@@ -112,6 +112,7 @@ def test_missing_data_folder_is_reported_with_the_fix(tmp_path, monkeypatch):
 
     with pytest.raises(DataError, match=r"(?s)nowhere.*(--data-dir|FEDNORM_DATA)"):
         start_run(cfg, tmp_path / "run", data_dir=str(tmp_path / "nowhere"))
+    assert not (tmp_path / "run").exists()  # nothing half-made is left behind
 
 
 @pytest.mark.integration

@@ -173,10 +173,11 @@ def start_run(
     resolved = None
     if _needs_data_folder(config):
         resolved = resolve_data_dir(data_dir or config.data.data_dir)
+    clients = build_federation_data(config, resolved)  # before writing anything: bad data leaves no folder
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / store.CONFIG_FILE).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
     _write_run_info(run_dir, resolved)
-    return execute(run_dir, config, resolved, progress)
+    return execute(run_dir, config, resolved, progress, clients=clients)
 
 
 def load_run_config(run_dir: Path) -> ExperimentConfig:
@@ -199,9 +200,15 @@ def resume_run(run_dir: Path, data_dir: str | None = None, progress: ProgressFn 
 
 
 def execute(
-    run_dir: Path, config: ExperimentConfig, data_dir: Path | None, progress: ProgressFn | None = None
+    run_dir: Path,
+    config: ExperimentConfig,
+    data_dir: Path | None,
+    progress: ProgressFn | None = None,
+    clients: list[ClientData] | None = None,
 ) -> list[CellResult]:
-    clients = build_federation_data(config, data_dir)
+    """Run every unfinished cell of ``run_dir``, then write the run's table and comparison plot."""
+    if clients is None:
+        clients = build_federation_data(config, data_dir)
     results: list[CellResult] = []
     for method_cfg in config.methods:
         for seed in config.seeds:
