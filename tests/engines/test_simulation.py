@@ -216,3 +216,24 @@ def test_fixed_local_steps_give_every_client_the_same_iterations(tiny_clients):
     results = eng.run_round()
     assert {r.num_steps for r in results.values()} == {5}
     assert {r.num_examples for r in results.values()} == {40}  # small clients repeat sampling
+
+
+def test_fedbn_code_prox_schedule_has_no_term_in_the_first_round(tiny_clients, monkeypatch):
+    import fednorm.engines.simulation as sim
+
+    calls = []
+    real = sim.train_locally
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs["prox_reference"] is not None, kwargs["prox_skip_epoch_start"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sim, "train_locally", spy)
+    eng = InProcessEngine(DigitCNN(width=0.125), tiny_clients[:1],
+                          resolve_method("fedprox", prox_schedule="fedbn_code"), TRAIN,
+                          Federation(channels_last=False), normalize_batch)
+    eng.run_round()
+    eng.run_round()
+    assert calls == [(False, True), (True, True)]
+    with pytest.raises(ValueError, match="prox_schedule"):
+        resolve_method("fedprox", prox_schedule="official")

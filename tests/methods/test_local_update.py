@@ -81,3 +81,29 @@ def test_diverging_training_raises_a_clear_error():
     with pytest.raises(FloatingPointError, match="learning rate"):
         train_locally(model, make_split(64, seed=0), LocalTraining(lr=0.01, batch_size=8),
                       generator=torch.Generator(), prepare=normalize_batch)
+
+
+def test_fedbn_code_prox_schedule_skips_the_term_on_each_epoch_first_step():
+    data = make_split(16, seed=2)
+
+    def trained(skip, epochs, batch):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 28 * 28, 10))
+        far = {k: v.detach() + 1.0 for k, v in model.named_parameters()}
+        train_locally(model, data, LocalTraining(batch_size=batch, lr=0.1, epochs=epochs),
+                      generator=torch.Generator().manual_seed(0), prepare=normalize_batch,
+                      prox_reference=far, prox_mu=0.5, prox_skip_epoch_start=skip)
+        return model[1].weight.detach()
+
+    def plain(epochs, batch):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 28 * 28, 10))
+        train_locally(model, data, LocalTraining(batch_size=batch, lr=0.1, epochs=epochs),
+                      generator=torch.Generator().manual_seed(0), prepare=normalize_batch)
+        return model[1].weight.detach()
+
+    # one full batch per epoch: every step starts an epoch, so the skipped schedule is plain SGD
+    assert torch.equal(trained(True, 2, 16), plain(2, 16))
+    assert not torch.allclose(trained(False, 2, 16), plain(2, 16))
+    # two batches per epoch: the second step of each epoch carries the term
+    assert not torch.allclose(trained(True, 2, 8), plain(2, 8))

@@ -120,7 +120,8 @@ class InProcessEngine:
         weights = client_weights([c.num_train for c in participants], self.federation.weighting)
         aggregator = WeightedMean({k: self.global_state[k] for k in self.shared_keys}) if self.shared_keys else None
         prox_reference = None
-        if self.method.prox_mu > 0:
+        code_schedule = self.method.prox_schedule == "fedbn_code"
+        if self.method.prox_mu > 0 and not (code_schedule and r == 0):
             params = {n for n, _ in self.model.named_parameters()}
             prox_reference = {k: self.global_state[k] for k in self.shared_keys if k in params}
         results: dict[str, LocalResult] = {}
@@ -137,6 +138,7 @@ class InProcessEngine:
                 prepare=self.prepare,
                 prox_reference=prox_reference,
                 prox_mu=self.method.prox_mu,
+                prox_skip_epoch_start=code_schedule,
                 optimizer_state=self.optimizer_states.get(client.name),
             )
             if self.federation.persistent_optimizer:

@@ -10,8 +10,10 @@ weights the client received at the start of the round. The term covers the train
 that the server aggregates under the method's norm state policy: all of them for FedProx, all but
 the BatchNorm parameters for FedProx + FedBN (local BN parameters have no global counterpart).
 Buffers (BN statistics) are not parameters and are never in the term. It is applied from the first
-step of the first round, as the paper states; FedBN's official code skips the first step of each
-epoch and the whole first round, and uses the non-squared norm in its Office/DomainNet scripts.
+step of the first round, as the paper states. FedBN's official digits code skips the first step of
+each epoch and the whole first round: ``prox_skip_epoch_start`` here, and the engine's
+``prox_schedule="fedbn_code"``. (Its Office/DomainNet scripts also use the non-squared norm; that
+variant is not offered.)
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ def train_locally(
     prepare: Callable[[torch.Tensor], torch.Tensor],
     prox_reference: dict[str, torch.Tensor] | None = None,
     prox_mu: float = 0.0,
+    prox_skip_epoch_start: bool = False,
     optimizer_state: dict | None = None,
 ) -> tuple[LocalResult, dict]:
     """Train ``model`` in place on ``data``; return the loss statistics and the optimizer state.
@@ -128,7 +131,9 @@ def train_locally(
     use_bf16 = cfg.precision == "bf16"
     loss_sum, seen = 0.0, 0
     schedule = batch_schedule(len(data), cfg, generator, guard_single=has_batchnorm(model))
-    for index in schedule:
+    # every pass has the same number of batches, so epoch e starts at step e * per_epoch
+    per_epoch = len(schedule) // cfg.epochs if cfg.steps is None else len(schedule)
+    for step, index in enumerate(schedule):
         x = prepare(data.x[index])
         y = data.y[index]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
@@ -142,7 +147,7 @@ def train_locally(
             )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if prox:
+        if prox and not (prox_skip_epoch_start and step % per_epoch == 0):
             # gradient of (mu/2)||w - w_g||^2 is mu (w - w_g); added exactly, without building the term
             with torch.no_grad():
                 for p, ref in prox:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, replace
 
 from .policy import check_policy
 
+PROX_SCHEDULES = ("paper", "fedbn_code")
+
 
 @dataclass(frozen=True)
 class Method:
@@ -18,6 +20,9 @@ class Method:
     summary: str
     policy: str = "shared"
     prox_mu: float = 0.0
+    # "paper": the proximal term from the first step of the first round (FedProx / FedBN papers);
+    # "fedbn_code": as FedBN's official digits script, no term in round 0 nor on each epoch's first step
+    prox_schedule: str = "paper"
     pooled: bool = False  # centralized: one model trained on the union of all clients' training data
     paper: str = ""
 
@@ -25,6 +30,8 @@ class Method:
         check_policy(self.policy)
         if self.prox_mu < 0:
             raise ValueError(f"prox_mu must be >= 0, got {self.prox_mu}")
+        if self.prox_schedule not in PROX_SCHEDULES:
+            raise ValueError(f"prox_schedule must be one of {', '.join(PROX_SCHEDULES)}, got {self.prox_schedule!r}")
 
     @property
     def communicates(self) -> bool:

@@ -65,6 +65,7 @@ class MethodConfig(_Strict):
     label: str | None = None
     policy: str | None = None
     prox_mu: float | None = Field(None, ge=0)
+    prox_schedule: Literal["paper", "fedbn_code"] | None = None
 
     @field_validator("name")
     @classmethod
@@ -85,7 +86,7 @@ class MethodConfig(_Strict):
         return self.label or self.name
 
     def build(self) -> Method:
-        return resolve_method(self.name, policy=self.policy, prox_mu=self.prox_mu)
+        return resolve_method(self.name, policy=self.policy, prox_mu=self.prox_mu, prox_schedule=self.prox_schedule)
 
 
 class TrainingConfig(_Strict):
