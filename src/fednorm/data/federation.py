@@ -11,7 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from .domain import ClientData, DataError, Split
-from .protocol import fedbn_domain_clients
+from .protocol import even_domain_clients, fedbn_domain_clients
+
+PARTITIONS = ("fedbn", "even")
 
 RENDERED_PREFIX = "rendered/"
 # Rendered pools default to USPS's size (7,291 + 2,007 = 9,298), so the 80/20 split gives exactly
@@ -59,8 +61,16 @@ def build_clients(
     pool_size: int = 7438,
     split_seed: int = 0,
     rendered_size: int = DEFAULT_RENDERED_SIZE,
+    partition: str = "fedbn",
 ) -> list[ClientData]:
-    """The clients of a multi-domain federation, in domain order."""
+    """The clients of a multi-domain federation, in domain order.
+
+    ``partition``: ``fedbn`` (FedBN's ten partitions, ``percent`` of the pool per client, at most ten
+    clients per domain) or ``even`` (``percent`` of the pool split evenly over any number of clients
+    per domain: FedWon's cross-device federations of 100 and 1,000 clients).
+    """
+    if partition not in PARTITIONS:
+        raise ValueError(f"unknown partition {partition!r}; choose one of {', '.join(PARTITIONS)}")
     if not domains:
         raise ValueError("a federation needs at least one domain")
     if len(set(domains)) != len(domains):
@@ -68,7 +78,8 @@ def build_clients(
     clients: list[ClientData] = []
     for domain in domains:
         x, y = load_pool(domain, data_dir=data_dir, rendered_size=rendered_size, seed=split_seed)
-        clients += fedbn_domain_clients(
+        split = fedbn_domain_clients if partition == "fedbn" else even_domain_clients
+        clients += split(
             domain,
             x,
             y,
@@ -79,6 +90,20 @@ def build_clients(
             origin="rendered" if is_rendered(domain) else "real",
         )
     return clients
+
+
+def domain_eval_clients(clients: list[ClientData]) -> list[ClientData]:
+    """One evaluation client per domain (the first client of each, renamed to the domain).
+
+    Every client of a domain shares the domain's test split; with stateless clients (cross-device)
+    they all hold the global model too, so evaluating each would repeat the same numbers.
+    """
+    seen: dict[str, ClientData] = {}
+    for c in clients:
+        if c.domain not in seen:
+            seen[c.domain] = ClientData(name=c.domain, domain=c.domain, train=c.train, test=c.test, val=c.val,
+                                        origin=c.origin, meta={"evaluates": "global model on the domain's test split"})
+    return list(seen.values())
 
 
 def pooled_client(clients: list[ClientData], name: str = "centralized") -> ClientData:

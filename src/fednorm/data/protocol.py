@@ -216,3 +216,52 @@ def fedbn_domain_clients(
             )
         )
     return clients
+
+
+def even_domain_clients(
+    domain: str,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    clients_per_domain: int,
+    percent: float = 1.0,
+    pool_size: int = FEDBN_POOL_SIZE,
+    seed: int = 0,
+    origin: str = "real",
+) -> list[ClientData]:
+    """Many clients per domain: ``percent`` of the domain's training pool split evenly and disjointly.
+
+    FedWon's cross-device setting (Sec. 4.1): "we evenly split samples of each dataset into 20
+    clients ... with a total of 100 clients" (1,000 clients: 200 per domain, Table 16). The pool is the
+    FedBN one (stratified 80/20 split with ``seed``, first ``pool_size`` training samples); FedWon
+    does not say how much of it is used, and its cross-device accuracies suggest the whole pool, so
+    ``percent`` defaults to 1. Client ``j`` takes the j-th of ``clients_per_domain`` contiguous
+    near-equal slices (the pool is already in shuffled order); every client shares the domain's test
+    split (the same tensor, not a copy), which a cross-device run evaluates once per domain.
+    """
+    if not 0.0 < percent <= 1.0:
+        raise ValueError(f"percent must be in (0, 1], got {percent}")
+    if isinstance(clients_per_domain, bool) or not isinstance(clients_per_domain, int) or clients_per_domain < 1:
+        raise ValueError(f"clients_per_domain must be a positive int, got {clients_per_domain!r}")
+    pool = Split(x, y)
+    train_idx, test_idx = stratified_split(pool.y, FEDBN_TEST_FRACTION, seed)
+    used = train_idx[:pool_size]
+    used = used[: int(len(used) * percent)]
+    if len(used) < clients_per_domain:
+        raise ValueError(
+            f"domain {domain!r}: {len(used)} training samples cannot give {clients_per_domain} clients at "
+            "least one sample each; use fewer clients per domain or a larger percent"
+        )
+    test = pool.subset(test_idx)
+    clients = []
+    for j, (start, stop) in enumerate(partition_bounds(len(used), clients_per_domain)):
+        clients.append(ClientData(
+            name=f"{domain}-{j + 1}",
+            domain=domain,
+            train=pool.subset(used[start:stop]),
+            test=test,
+            origin=origin,
+            meta={"protocol": "even", "percent": percent, "split_seed": seed, "client_index": j,
+                  "train_pool_range": (start, stop), "num_train": stop - start},
+        ))
+    return clients

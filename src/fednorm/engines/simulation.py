@@ -21,7 +21,7 @@ from torch import nn
 
 from ..data.domain import ClientData, Split
 from ..methods.aggregation import WeightedMean, client_weights
-from ..methods.local_update import LocalResult, LocalTraining, train_locally
+from ..methods.local_update import LocalResult, LocalTraining, has_batchnorm, train_locally
 from ..methods.policy import local_state_keys
 from ..methods.presets import Method
 
@@ -44,10 +44,15 @@ class Federation:
     persistent_optimizer: bool = False  # keep each client's optimizer state (momentum) across rounds
     eval_batch_size: int = 500
     channels_last: bool = True
+    # cross-device FL: clients are anonymous devices that keep nothing between rounds
+    stateless_clients: bool = False
+    rounds: int | None = None  # total rounds of the run, for methods with a phase switch (FixBN)
 
     def __post_init__(self) -> None:
         if not 0 < self.fraction <= 1:
             raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
+        if self.stateless_clients and self.persistent_optimizer:
+            raise ValueError("persistent_optimizer keeps optimizer state on each client; cross-device clients are stateless")
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,10 @@ class InProcessEngine:
         self.federation = federation
         self.prepare = self._with_layout(prepare)
         self.local_keys = local_state_keys(self.model, method.policy)
+        self._check_method(method, federation)
+        self.freeze_round = method.freeze_round(federation.rounds) if federation.rounds else None
+        if method.freeze_bn_stats_at is not None and self.freeze_round is None:
+            raise ValueError("a method that freezes BN statistics (FixBN) needs Federation.rounds to place its switch")
         state = self.model.state_dict()
         self.shared_keys = [k for k in state if k not in self.local_keys]
         self.global_state: dict[str, torch.Tensor] = {k: v.detach().clone() for k, v in state.items()}
@@ -92,6 +101,22 @@ class InProcessEngine:
         self.optimizer_states: dict[str, dict] = {}
         self.round = 0  # rounds completed
         self._index = {c.name: i for i, c in enumerate(clients)}
+
+    def _check_method(self, method: Method, federation: Federation) -> None:
+        has_bn = has_batchnorm(self.model)
+        if method.policy in ("local_bn", "local_bn_stats") and not has_bn:
+            raise ValueError(
+                f"method {method.name!r} keeps BatchNorm state local, but the model has no BatchNorm layer "
+                "(its norm is not bn); use model.norm: bn or a method with policy 'shared'"
+            )
+        if method.freeze_bn_stats_at is not None and not has_bn:
+            raise ValueError(f"method {method.name!r} freezes BatchNorm statistics, but the model has no BatchNorm")
+        if federation.stateless_clients and method.stateful_clients:
+            raise ValueError(
+                f"method {method.name!r} keeps state on each client between rounds (policy {method.policy!r}), "
+                "which cross-device clients cannot do: they are sampled anonymously and keep nothing. Use a "
+                "stateless method (fedavg, fedprox, fedwon, fedavg_gn, fedavg_ln, fixbn) or a cross-silo federation"
+            )
 
     def _with_layout(self, prepare):
         if not self.federation.channels_last:
@@ -124,6 +149,7 @@ class InProcessEngine:
         if self.method.prox_mu > 0 and not (code_schedule and r == 0):
             params = {n for n, _ in self.model.named_parameters()}
             prox_reference = {k: self.global_state[k] for k in self.shared_keys if k in params}
+        freeze = self.freeze_round is not None and r >= self.freeze_round
         results: dict[str, LocalResult] = {}
         for client, weight in zip(participants, weights):
             seed = derive_seed(self.federation.seed, r, self._index[client.name], _CLIENT_STREAM)
@@ -140,6 +166,9 @@ class InProcessEngine:
                 prox_mu=self.method.prox_mu,
                 prox_skip_epoch_start=code_schedule,
                 optimizer_state=self.optimizer_states.get(client.name),
+                agc_clip=self.method.agc_clip,
+                agc_exclude_head=self.method.agc_exclude_head,
+                freeze_bn_stats=freeze,
             )
             if self.federation.persistent_optimizer:
                 self.optimizer_states[client.name] = optimizer_state

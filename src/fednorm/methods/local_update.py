@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..data.domain import Split
+from .agc import agc_parameters, clip_unitwise_
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,11 @@ def batch_schedule(
     """
     if n == 0:
         raise ValueError("client has no training data")
+    if guard_single and cfg.batch_size == 1:
+        raise ValueError(
+            "batch_size 1 cannot train a BatchNorm model: batch statistics of one sample are undefined "
+            "(FedWon runs no BN method at B = 1); use a model without BatchNorm (norm: gn, ln, ws, none)"
+        )
     batches: list[torch.Tensor] = []
 
     def one_pass() -> list[torch.Tensor]:
@@ -83,7 +89,7 @@ def batch_schedule(
             if len(parts) == 1:
                 raise ValueError(
                     "a BatchNorm model cannot train on a client with a single sample per batch; "
-                    "use batch_size >= 2 or a model without BatchNorm (norm: gn/ln/none)"
+                    "use batch_size >= 2 or a model without BatchNorm (norm: gn, ln, ws, none)"
                 )
             parts.pop()
         return parts
@@ -111,14 +117,26 @@ def train_locally(
     prox_mu: float = 0.0,
     prox_skip_epoch_start: bool = False,
     optimizer_state: dict | None = None,
+    agc_clip: float = 0.0,
+    agc_exclude_head: bool = True,
+    freeze_bn_stats: bool = False,
 ) -> tuple[LocalResult, dict]:
     """Train ``model`` in place on ``data``; return the loss statistics and the optimizer state.
 
     ``prepare`` turns a uint8 batch into the model's float input. ``prox_reference`` maps parameter
     names to the round's global weights, pulled on with strength ``prox_mu`` (FedProx); ``optimizer_state`` restores a persistent
     optimizer (momentum buffers) and the returned state is the one to keep for the next round.
+    ``agc_clip`` > 0 clips every step's gradient unit-wise (FedWon's AGC, :mod:`fednorm.methods.agc`),
+    after the proximal gradient is added, just before the optimizer step. ``freeze_bn_stats`` puts
+    every BatchNorm layer in eval mode (FixBN's second phase): it normalizes with its running
+    statistics and does not update them, while its weight and bias still train.
     """
     model.train()
+    if freeze_bn_stats:
+        for module in model.modules():
+            if isinstance(module, _BatchNorm):
+                module.eval()
+    clipped = agc_parameters(model, agc_exclude_head) if agc_clip > 0 else []
     params = dict(model.named_parameters())
     optimizer = torch.optim.SGD(
         params.values(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
@@ -130,7 +148,7 @@ def train_locally(
         prox = [(params[name], ref) for name, ref in prox_reference.items() if name in params]
     use_bf16 = cfg.precision == "bf16"
     loss_sum, seen = 0.0, 0
-    schedule = batch_schedule(len(data), cfg, generator, guard_single=has_batchnorm(model))
+    schedule = batch_schedule(len(data), cfg, generator, guard_single=has_batchnorm(model) and not freeze_bn_stats)
     # every pass has the same number of batches, so epoch e starts at step e * per_epoch
     per_epoch = len(schedule) // cfg.epochs if cfg.steps is None else len(schedule)
     for step, index in enumerate(schedule):
@@ -153,6 +171,8 @@ def train_locally(
                 for p, ref in prox:
                     if p.grad is not None:
                         p.grad.add_(p.detach() - ref, alpha=prox_mu)
+        if clipped:
+            clip_unitwise_(clipped, agc_clip)
         optimizer.step()
         loss_sum += value * len(index)
         seen += len(index)

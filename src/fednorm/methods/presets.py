@@ -1,14 +1,16 @@
-"""Methods as named presets over the design axes (norm state policy, client update, server update).
+"""Methods as named presets over the design axes (model normalization, norm state policy, client
+update, server update).
 
 A method is data, not a class hierarchy: ``Method(policy=..., prox_mu=..., ...)``. The papers'
-methods are entries of :data:`PRESETS`; any other combination (FedProx + FedBN, say) is the same
-dataclass with other values, e.g. ``resolve_method("fedbn", prox_mu=0.01)``.
+methods are entries of :data:`PRESETS`; any other combination (FedProx + FedBN, AGC + FedBN, say) is
+the same dataclass with other values, e.g. ``resolve_method("fedbn", prox_mu=0.01)``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..models.norm import check_norm
 from .policy import check_policy
 
 PROX_SCHEDULES = ("paper", "fedbn_code")
@@ -24,18 +26,39 @@ class Method:
     # "fedbn_code": as FedBN's official digits script, no term in round 0 nor on each epoch's first step
     prox_schedule: str = "paper"
     pooled: bool = False  # centralized: one model trained on the union of all clients' training data
+    # the model normalization the method needs (FedWon: "ws", FedAvg+GN: "gn"); None = the config's model.norm
+    norm: str | None = None
+    # adaptive gradient clipping threshold lambda (FedWon: 0.64 digits, 1.28 Office/DomainNet); 0 = off
+    agc_clip: float = 0.0
+    agc_exclude_head: bool = True
+    # FixBN (Zhong et al. 2023): from this round on, BN normalizes with the shared running statistics in
+    # training too and never updates them. A value < 1 is a fraction of the run's rounds, >= 1 a round index
+    freeze_bn_stats_at: float | None = None
     paper: str = ""
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
         if self.prox_mu < 0:
             raise ValueError(f"prox_mu must be >= 0, got {self.prox_mu}")
+        if self.norm is not None:
+            check_norm(self.norm)
+        if self.agc_clip < 0:
+            raise ValueError(f"agc_clip must be >= 0 (0 turns AGC off), got {self.agc_clip}")
+        if self.freeze_bn_stats_at is not None and self.freeze_bn_stats_at <= 0:
+            raise ValueError(f"freeze_bn_stats_at must be > 0, got {self.freeze_bn_stats_at}")
         if self.prox_schedule not in PROX_SCHEDULES:
             raise ValueError(f"prox_schedule must be one of {', '.join(PROX_SCHEDULES)}, got {self.prox_schedule!r}")
 
     @property
     def communicates(self) -> bool:
         return self.policy != "local_all"
+
+    def freeze_round(self, total_rounds: int) -> int | None:
+        """The first round (0-based) in which BN statistics are frozen (FixBN), or None."""
+        at = self.freeze_bn_stats_at
+        if at is None:
+            return None
+        return int(round(at * total_rounds)) if at < 1 else int(at)
 
     @property
     def stateful_clients(self) -> bool:
@@ -56,6 +79,16 @@ PRESETS: dict[str, Method] = {
                paper="Andreux et al. 2020"),
         Method("singleset", "SingleSet: each client trains alone on its own data, no communication", "local_all",
                paper="FedBN baseline"),
+        Method("fedwon", "FedWon: no normalization, WSConv convolutions, AGC (lambda 0.64), everything averaged",
+               "shared", norm="ws", agc_clip=0.64, paper="Zhuang & Lyu 2024"),
+        Method("fedavg_gn", "FedAvg+GN: FedAvg on a model with GroupNorm in place of BatchNorm", "shared",
+               norm="gn", paper="Hsieh et al. 2020"),
+        Method("fedavg_ln", "FedAvg+LN: FedAvg with layer norm as GroupNorm(1, C)", "shared", norm="ln",
+               paper="FedWon baseline"),
+        Method("fedavg_nobn", "FedAvg w/o BN: FedAvg on the model with every norm removed (plain convs)", "shared",
+               norm="none", paper="FedWon Fig. 3"),
+        Method("fixbn", "FixBN: FedAvg with BN; from half the rounds on, BN uses the frozen shared statistics",
+               "shared", norm="bn", freeze_bn_stats_at=0.5, paper="Zhong et al. 2023"),
         Method("centralized", "Centralized: one model on the pooled training data (upper reference)", "shared",
                pooled=True, paper="FedBN App. E.3"),
     ]

@@ -1,6 +1,6 @@
 """The six-layer digit CNN of FedBN (Table 3) and FedWon (Table 5).
 
-Three 5x5 convolutions (64, 64, 128 channels; max-pool after the first two) and three linear layers
+Three 5x5 convolutions (plain, or WSConv with ``norm="ws"``) (64, 64, 128 channels; max-pool after the first two) and three linear layers
 (6272 -> 2048 -> 512 -> classes) on 3 x 28 x 28 inputs. The normalization after each convolution is
 a parameter. The classifier comes in two variants:
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .norm import make_norm
+from .norm import check_norm, make_conv, make_norm
 
 CLASSIFIERS = ("fedbn", "fedwon")
 
@@ -35,19 +35,21 @@ class DigitCNN(nn.Module):
         super().__init__()
         if classifier not in CLASSIFIERS:
             raise ValueError(f"unknown classifier {classifier!r}; choose one of {', '.join(CLASSIFIERS)}")
+        check_norm(norm)
         c1, c3, f1, f2 = (max(1, round(c * width)) for c in (64, 128, 2048, 512))
         flat = c3 * 7 * 7
+        # GroupNorm counts of FedWon Table 5: GN(32, 64), GN(32, 64), GN(64, 128)
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, c1, 5, 1, 2),
-            make_norm(norm, c1),
+            make_conv(norm, in_channels, c1, 5, 1, 2),
+            make_norm(norm, c1, groups=32),
             nn.ReLU(inplace=True),
             nn.MaxPool2d(2, 2),
-            nn.Conv2d(c1, c1, 5, 1, 2),
-            make_norm(norm, c1),
+            make_conv(norm, c1, c1, 5, 1, 2),
+            make_norm(norm, c1, groups=32),
             nn.ReLU(inplace=True),
             nn.MaxPool2d(2, 2),
-            nn.Conv2d(c1, c3, 5, 1, 2),
-            make_norm(norm, c3),
+            make_conv(norm, c1, c3, 5, 1, 2),
+            make_norm(norm, c3, groups=64),
             nn.ReLU(inplace=True),
         )
         if classifier == "fedbn":

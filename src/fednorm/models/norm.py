@@ -1,8 +1,18 @@
-"""One place that builds normalization layers by name.
+"""One place that builds normalization layers (and the matching convolution) by name.
 
-Names: ``bn`` (BatchNorm), ``gn`` (GroupNorm), ``ln`` (layer norm as GroupNorm(1, C), as FedWon's
-FedAvg+LN), ``none`` (identity). Models take a ``norm`` name and call :func:`make_norm`; nothing
-else in the library hard-codes a normalization class.
+| kind   | layer after a conv / after a linear layer                     | paper            |
+| ------ | ------------------------------------------------------------- | ---------------- |
+| ``bn`` | BatchNorm2d / BatchNorm1d                                     | FedAvg, FedBN... |
+| ``gn`` | GroupNorm (FedWon's group counts, see :func:`default_groups`) | FedAvg+GN        |
+| ``ln`` | GroupNorm(1, C), as FedWon's FedAvg+LN (not ``nn.LayerNorm``) | FedAvg+LN        |
+| ``in`` | InstanceNorm2d with affine parameters (convs only)            | zoo extra        |
+| ``none``| Identity, plain convs ("FedAvg w/o BN")                      | FedWon Fig. 3    |
+| ``ws`` | Identity, and every conv is a :class:`WSConv2d`               | FedWon           |
+
+Models take a ``norm`` name and build their layers with :func:`make_norm` and :func:`make_conv`;
+torchvision models, which build their own convs, are converted with
+:func:`fednorm.models.wsconv.convert_to_ws`. Nothing else in the library hard-codes a normalization
+class.
 """
 
 from __future__ import annotations
@@ -11,21 +21,26 @@ from typing import Callable
 
 from torch import nn
 
-NORM_KINDS = ("bn", "gn", "ln", "none")
+from .wsconv import WSConv2d
+
+NORM_KINDS = ("bn", "gn", "ln", "in", "none", "ws")
 
 
-def _check(kind: str) -> None:
+def check_norm(kind: str) -> str:
     if kind not in NORM_KINDS:
         raise ValueError(f"unknown normalization {kind!r}; choose one of {', '.join(NORM_KINDS)}")
+    return kind
 
 
 def default_groups(num_channels: int) -> int:
-    """GroupNorm group count of FedWon's CNN/AlexNet tables: 32 groups up to 64 channels, else 64.
+    """FedWon's GroupNorm rule for ResNet-18 / MobileNetV2 (App. A.2): 32 groups, 8 when the layer has
+    fewer than 32 channels, 24 when it has 144 (MobileNetV2's expansion layer).
 
-    FedWon Table 5: GN(32, 64) after 64-channel convs and GN(64, 128) after the 128-channel conv.
-    The count is reduced until it divides the channel count.
+    The digit CNN and AlexNet pass their tables' counts explicitly instead (FedWon Tables 5 and 6:
+    32 groups after the first two convs, 64 after the others). If a count does not divide the
+    channels (a width multiplier in tests), it is lowered until it does.
     """
-    groups = 32 if num_channels <= 64 else 64
+    groups = 8 if num_channels < 32 else 24 if num_channels == 144 else 32
     groups = min(groups, num_channels)
     while num_channels % groups:
         groups -= 1
@@ -35,20 +50,37 @@ def default_groups(num_channels: int) -> int:
 def make_norm(kind: str, num_features: int, *, spatial: bool = True, groups: int | None = None) -> nn.Module:
     """A normalization layer over ``num_features`` channels.
 
-    ``spatial`` selects BatchNorm2d (after convolutions) vs BatchNorm1d (after linear layers); group
-    and layer norm normalize (N, C, ...) inputs of either rank.
+    ``spatial`` selects the layer after a convolution (N, C, H, W) vs after a linear layer (N, C);
+    ``groups`` overrides the GroupNorm group count of :func:`default_groups`.
     """
-    _check(kind)
+    check_norm(kind)
     if kind == "bn":
         return nn.BatchNorm2d(num_features) if spatial else nn.BatchNorm1d(num_features)
     if kind == "gn":
-        return nn.GroupNorm(groups or default_groups(num_features), num_features)
+        g = groups or default_groups(num_features)
+        while num_features % g:
+            g -= 1
+        return nn.GroupNorm(g, num_features)
     if kind == "ln":
         return nn.GroupNorm(1, num_features)
-    return nn.Identity()
+    if kind == "in":
+        if not spatial:
+            raise ValueError(
+                "instance norm after a linear layer would normalize single values; use a classifier "
+                "without normalization (classifier: fedwon) or another norm"
+            )
+        return nn.InstanceNorm2d(num_features, affine=True)
+    return nn.Identity()  # none, ws
+
+
+def make_conv(kind: str, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, **kw) -> nn.Conv2d:
+    """The convolution that goes with ``kind``: :class:`WSConv2d` for ``ws``, ``nn.Conv2d`` otherwise."""
+    check_norm(kind)
+    cls = WSConv2d if kind == "ws" else nn.Conv2d
+    return cls(in_channels, out_channels, kernel_size, stride, padding, **kw)
 
 
 def norm_factory(kind: str) -> Callable[..., nn.Module]:
-    """``norm_layer``-style factory, for model builders that take one (torchvision convention)."""
-    _check(kind)
+    """``norm_layer``-style factory (torchvision convention: called with the channel count)."""
+    check_norm(kind)
     return lambda num_features, spatial=True: make_norm(kind, num_features, spatial=spatial)

@@ -1,21 +1,45 @@
-"""Models by name: ``build_model(name, num_classes=..., norm=..., **options)``."""
+"""Models by name: ``build_model(name, num_classes=..., norm=..., **options)``.
+
+Every model takes any normalization of :data:`fednorm.models.norm.NORM_KINDS`. Options a model does
+not have (``classifier`` and ``width`` exist for the digit CNN and AlexNet only) are dropped when
+they are left at their defaults, and refused otherwise.
+"""
 
 from __future__ import annotations
 
+import inspect
+from importlib import import_module
 from typing import Callable
 
 from torch import nn
 
-from .digit_cnn import DigitCNN
-
-MODELS: dict[str, Callable[..., nn.Module]] = {
-    "digit_cnn": DigitCNN,
+# name -> (module, builder); imported on use so that the registry costs nothing at start-up
+_BUILDERS: dict[str, tuple[str, str]] = {
+    "digit_cnn": ("digit_cnn", "DigitCNN"),      # FedBN Table 3 / FedWon Table 5, 3 x 28 x 28
+    "alexnet": ("alexnet", "AlexNet"),           # FedBN Table 9 / FedWon Table 6, 256 x 256 (any >= 64)
+    "resnet18": ("resnet", "resnet18"),          # torchvision ResNet-18 (FedWon, Office / Fed-ISIC2019)
+    "resnet20": ("resnet", "resnet20"),          # CIFAR-style ResNet-20 (FedWon Table 13)
+    "mobilenet_v2": ("mobilenet", "mobilenet_v2"),  # torchvision MobileNetV2 (FedWon label skew)
 }
+MODEL_NAMES = tuple(_BUILDERS)
+_OPTIONAL_DEFAULTS = {"classifier": "fedbn", "width": 1.0}
+
+
+def model_builder(name: str) -> Callable[..., nn.Module]:
+    try:
+        module, attr = _BUILDERS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}") from None
+    return getattr(import_module(f"{__package__}.{module}"), attr)
 
 
 def build_model(name: str, **options) -> nn.Module:
-    try:
-        builder = MODELS[name]
-    except KeyError:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}") from None
+    builder = model_builder(name)
+    accepted = inspect.signature(builder).parameters
+    for key in list(options):
+        if key not in accepted:
+            if key in _OPTIONAL_DEFAULTS and options[key] == _OPTIONAL_DEFAULTS[key]:
+                del options[key]
+            else:
+                raise ValueError(f"model {name!r} has no option {key!r} (it takes {', '.join(accepted)})")
     return builder(**options)

@@ -19,6 +19,7 @@ from ..methods.local_update import LocalTraining
 from ..methods.policy import POLICIES
 from ..methods.presets import PRESETS, Method, resolve_method
 from ..models.norm import NORM_KINDS
+from ..models.registry import MODEL_NAMES, build_model
 
 
 class ConfigError(ValueError):
@@ -35,7 +36,10 @@ class DataConfig(_Strict):
         min_length=1,
     )
     percent: float = Field(0.1, gt=0, le=1, description="share of the 7,438-sample pool per client")
-    clients_per_domain: int = Field(1, ge=1, le=10)
+    clients_per_domain: int = Field(1, ge=1, le=1000)
+    partition: Literal["fedbn", "even"] = Field(
+        "fedbn", description="fedbn: ten partitions, percent of the pool per client (<= 10 clients per domain); "
+        "even: percent of the pool split evenly over clients_per_domain clients (cross-device)")
     pool_size: int = Field(7438, ge=10)
     split_seed: int = Field(0, description="seed of the stratified split (fixed across runs, as FedBN)")
     rendered_size: int = Field(9298, ge=20, description="images rendered per rendered domain")
@@ -52,10 +56,16 @@ class DataConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    name: Literal["digit_cnn"] = "digit_cnn"
+    name: Literal[MODEL_NAMES] = "digit_cnn"  # type: ignore[valid-type]
     norm: Literal[NORM_KINDS] = "bn"  # type: ignore[valid-type]
-    classifier: Literal["fedbn", "fedwon"] = "fedbn"
+    classifier: Literal["fedbn", "fedwon"] = Field(
+        "fedbn", description="digit_cnn / alexnet only: fedbn = BN after FC1, FC2; fedwon = dropout, no norm")
     width: float = Field(1.0, gt=0, le=4)
+
+    def build(self, norm: str | None = None, num_classes: int = 10):
+        """The model, with ``norm`` (a method's own normalization) in place of ``self.norm`` if given."""
+        return build_model(self.name, num_classes=num_classes, norm=norm or self.norm, classifier=self.classifier,
+                           width=self.width)
 
 
 class MethodConfig(_Strict):
@@ -66,6 +76,10 @@ class MethodConfig(_Strict):
     policy: str | None = None
     prox_mu: float | None = Field(None, ge=0)
     prox_schedule: Literal["paper", "fedbn_code"] | None = None
+    norm: Literal[NORM_KINDS] | None = None  # type: ignore[valid-type]
+    agc_clip: float | None = Field(None, ge=0, description="AGC threshold lambda; 0 turns AGC off")
+    agc_exclude_head: bool | None = None
+    freeze_bn_stats_at: float | None = Field(None, gt=0, description="FixBN switch: fraction of rounds (<1) or round")
 
     @field_validator("name")
     @classmethod
@@ -86,7 +100,11 @@ class MethodConfig(_Strict):
         return self.label or self.name
 
     def build(self) -> Method:
-        return resolve_method(self.name, policy=self.policy, prox_mu=self.prox_mu, prox_schedule=self.prox_schedule)
+        return resolve_method(
+            self.name, policy=self.policy, prox_mu=self.prox_mu, prox_schedule=self.prox_schedule, norm=self.norm,
+            agc_clip=self.agc_clip, agc_exclude_head=self.agc_exclude_head,
+            freeze_bn_stats_at=self.freeze_bn_stats_at,
+        )
 
 
 class TrainingConfig(_Strict):
@@ -111,6 +129,9 @@ class FederationConfig(_Strict):
     eval_every: int = Field(1, ge=1)
     checkpoint_every: int = Field(1, ge=1)
     channels_last: bool = True
+    setting: Literal["cross_silo", "cross_device"] = Field(
+        "cross_silo", description="cross_device: stateless clients (methods keeping client state are refused), "
+        "the global model evaluated once per domain")
 
 
 class ExperimentConfig(_Strict):
@@ -142,6 +163,21 @@ class ExperimentConfig(_Strict):
             raise ValueError(f"method labels must be distinct (give each a `label`), got {labels}")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds must be distinct, got {self.seeds}")
+        for m in self.methods:
+            method = m.build()
+            norm = method.norm or self.model.norm
+            if self.federation.setting == "cross_device" and method.stateful_clients:
+                raise ValueError(
+                    f"method {m.display!r} keeps state on each client (policy {method.policy!r}); cross-device "
+                    "clients are stateless: use fedavg, fedprox, fedwon, fedavg_gn, fedavg_ln or fixbn")
+            if norm == "bn" and self.training.batch_size == 1:
+                raise ValueError(
+                    f"method {m.display!r} trains a BatchNorm model, which cannot use batch_size 1; "
+                    "use a method without BN (fedwon, fedavg_gn, fedavg_ln) or batch_size >= 2")
+            if method.policy in ("local_bn", "local_bn_stats") and norm != "bn":
+                raise ValueError(f"method {m.display!r} keeps BatchNorm state local but its model norm is {norm!r}")
+        if self.federation.setting == "cross_device" and self.federation.persistent_optimizer:
+            raise ValueError("persistent_optimizer keeps state on each client; cross-device clients are stateless")
         return self
 
 

@@ -18,9 +18,8 @@ import yaml
 
 from ..data.datafolder import resolve_data_dir
 from ..data.domain import ClientData, normalize_batch
-from ..data.federation import build_clients, is_rendered, pooled_client
+from ..data.federation import build_clients, domain_eval_clients, is_rendered, pooled_client
 from ..engines.simulation import Federation, InProcessEngine, derive_seed
-from ..models.registry import build_model
 from . import store
 from .config import ExperimentConfig, MethodConfig, validate
 
@@ -55,6 +54,7 @@ def build_federation_data(config: ExperimentConfig, data_dir: Path | None) -> li
         pool_size=d.pool_size,
         split_seed=d.split_seed,
         rendered_size=d.rendered_size,
+        partition=d.partition,
     )
 
 
@@ -64,20 +64,28 @@ def build_engine(
     """The engine of one cell; the model's initial weights depend on the seed only."""
     method = method_cfg.build()
     torch.manual_seed(derive_seed(seed, _INIT_STREAM))
-    m = config.model
-    model = build_model(m.name, num_classes=10, norm=m.norm, classifier=m.classifier, width=m.width)
+    model = config.model.build(norm=method.norm, num_classes=10)
     f = config.federation
+    cross_device = f.setting == "cross_device"
     federation = Federation(
         seed=seed,
         fraction=f.fraction,
         weighting=f.weighting,
         persistent_optimizer=f.persistent_optimizer,
         channels_last=f.channels_last,
+        stateless_clients=cross_device,
+        rounds=f.rounds,
     )
     train_clients = [pooled_client(clients)] if method.pooled else clients
     return InProcessEngine(
-        model, train_clients, method, config.training.build(), federation, normalize_batch, eval_clients=clients
+        model, train_clients, method, config.training.build(), federation, normalize_batch,
+        eval_clients=evaluation_clients(config, clients),
     )
+
+
+def evaluation_clients(config: ExperimentConfig, clients: list[ClientData]) -> list[ClientData]:
+    """Who is evaluated: every client (cross-silo), or each domain once with the global model (cross-device)."""
+    return domain_eval_clients(clients) if config.federation.setting == "cross_device" else clients
 
 
 def run_cell(
@@ -122,7 +130,7 @@ def run_cell(
             store.save_checkpoint(checkpoint_path, engine.state_dict())
         if progress:
             progress(label, seed, r, rounds, last)
-    summary = summarize_cell(store.read_metrics(metrics_path), clients, label, seed, rounds)
+    summary = summarize_cell(store.read_metrics(metrics_path), evaluation_clients(config, clients), label, seed, rounds)
     store.write_json(cell / store.SUMMARY_FILE, summary)
     from .plots import plot_cell
 

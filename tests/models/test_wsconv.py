@@ -1,0 +1,114 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fednorm.models import DigitCNN, WSConv2d, build_model, convert_to_ws
+from fednorm.models.wsconv import NORM_LAYER_TYPES
+
+
+def formula(w: torch.Tensor, gain: torch.Tensor, unbiased: bool, eps: float = 1e-4) -> torch.Tensor:
+    """FedWon Listing 1 written out per output channel with plain loops."""
+    out = torch.empty_like(w)
+    fan_in = w[0].numel()
+    for i in range(w.shape[0]):
+        row = w[i].flatten().double()
+        mean = row.sum() / fan_in
+        var = ((row - mean) ** 2).sum() / (fan_in - 1 if unbiased else fan_in)
+        out[i] = (gain[i].double() * (w[i].double() - mean) / torch.sqrt(torch.clamp(fan_in * var, min=eps))).float()
+    return out
+
+
+@pytest.mark.parametrize("variance", ["unbiased", "biased"])
+def test_standardized_weight_equals_the_formula(variance):
+    torch.manual_seed(0)
+    conv = WSConv2d(6, 5, 3, padding=1, variance=variance)
+    with torch.no_grad():
+        conv.weight.normal_(0.3, 2.0)
+        conv.gain.uniform_(0.5, 2.0)
+    expected = formula(conv.weight, conv.gain.flatten(), unbiased=variance == "unbiased")
+    torch.testing.assert_close(conv.standardized_weight(), expected, rtol=1e-5, atol=1e-6)
+    x = torch.randn(2, 6, 8, 8)
+    torch.testing.assert_close(conv(x), F.conv2d(x, expected, conv.bias, padding=1), rtol=1e-4, atol=1e-5)
+
+
+def test_listing1_defaults_gain_eps_and_non_persistent_buffers():
+    conv = WSConv2d(4, 8, 3, groups=2)
+    assert conv.gain.shape == (8, 1, 1, 1) and torch.equal(conv.gain, torch.ones(8, 1, 1, 1))
+    assert conv.gain.requires_grad
+    assert float(conv.fan_in) == 2 * 3 * 3  # (in / groups) * kh * kw
+    assert float(conv.eps) == pytest.approx(1e-4)
+    assert conv.bias is not None
+    # eps and fan_in are never aggregated or saved
+    assert set(conv.state_dict()) == {"weight", "bias", "gain"}
+
+
+def test_eps_clamps_fan_in_times_variance():
+    conv = WSConv2d(3, 1, 1, bias=False)
+    with torch.no_grad():
+        conv.weight.fill_(0.7)  # zero variance: the scale is 1 / sqrt(eps) times (w - mean) = 0
+        assert torch.equal(conv.standardized_weight(), torch.zeros(1, 3, 1, 1))
+        conv2 = WSConv2d(2, 1, 1, bias=False)
+        conv2.weight.copy_(torch.tensor([0.0, 0.004]).view(1, 2, 1, 1))  # fan_in * var = 2 * 8e-6 < 1e-4
+        torch.testing.assert_close(conv2.standardized_weight().flatten(), torch.tensor([-0.002, 0.002]) / 1e-2)
+
+
+def test_fan_in_of_one_is_refused():
+    with pytest.raises(ValueError, match="fan-in of 1"):
+        WSConv2d(4, 4, 1, groups=4)
+
+
+def test_output_is_invariant_to_weight_scale_and_shift():
+    torch.manual_seed(1)
+    conv = WSConv2d(3, 4, 3)
+    x = torch.randn(2, 3, 6, 6)
+    before = conv(x)
+    with torch.no_grad():
+        conv.weight.mul_(5.0).add_(1.5)
+    torch.testing.assert_close(conv(x), before, rtol=1e-4, atol=1e-4)
+
+
+def test_convert_removes_every_norm_and_swaps_every_conv():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.GroupNorm(4, 8),  # depthwise
+        nn.Conv2d(8, 16, 1, stride=2), nn.InstanceNorm2d(16), nn.LayerNorm([16, 4, 4]),
+        nn.Flatten(), nn.Linear(256, 10), nn.BatchNorm1d(10),
+    )
+    convert_to_ws(model)
+    assert not [m for m in model.modules() if isinstance(m, NORM_LAYER_TYPES)]
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert len(convs) == 3 and all(isinstance(c, WSConv2d) for c in convs)
+    assert [(c.in_channels, c.out_channels, c.groups, c.stride) for c in convs] == [
+        (3, 8, 1, (1, 1)), (8, 8, 8, (1, 1)), (8, 16, 1, (2, 2))]
+    assert all(c.bias is not None for c in convs)  # Listing 1 default: the removed norm carried the shift
+    assert isinstance(model[9], nn.Linear)  # linear layers stay plain
+    # the converted model trains
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3])
+    first = F.cross_entropy(model(x), y)
+    for _ in range(20):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert F.cross_entropy(model(x), y) < first
+
+
+def test_convert_can_keep_each_convs_bias_choice():
+    model = convert_to_ws(nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4)), bias=None)
+    assert model[0].bias is None and isinstance(model[1], nn.Identity)
+
+
+def test_ws_digit_cnn_matches_fedwon_table5_and_works_at_batch_one():
+    model = build_model("digit_cnn", norm="ws", classifier="fedwon")
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert len(convs) == 3 and all(isinstance(c, WSConv2d) for c in convs)
+    assert not [m for m in model.modules() if isinstance(m, NORM_LAYER_TYPES)]
+    model.train()
+    assert model(torch.zeros(1, 3, 28, 28)).shape == (1, 10)  # no batch dependency: B = 1 works
+
+
+def test_ws_and_none_models_have_no_local_state_under_fedbn():
+    plain = DigitCNN(norm="none", classifier="fedwon", width=0.25)
+    assert not [m for m in plain.modules() if isinstance(m, (NORM_LAYER_TYPES + (WSConv2d,)))]
