@@ -2,12 +2,12 @@
 # FedBN digits benchmark (FedBN Table 11) on MNIST, MNIST-M, USPS (real, from ../shared/data) and two
 # rendered stand-ins for SVHN / SynthDigits. One run folder per (method, seed), so partial results are
 # usable and `fednorm report` merges them; re-running the script resumes unfinished cells.
-# bf16 autocast (AMX) is used for time on a 2-core CPU; pass PRECISION=fp32 for the paper's numerics.
+# precision auto: bf16 autocast where the CPU has AMX / AVX512-BF16, else fp32; PRECISION=fp32 for the paper's numerics.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/fedbn_digits}
 DATA=${DATA:-../shared/data}
-PRECISION=${PRECISION:-bf16}
+PRECISION=${PRECISION:-auto}
 CELLS=${CELLS:-"fedbn:0 fedavg:0 singleset:0 fedprox:0 fedbn:1 fedavg:1 fedbn:2 fedavg:2"}
 for cell in $CELLS; do
   method=${cell%%:*}; seed=${cell##*:}

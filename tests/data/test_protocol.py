@@ -277,3 +277,25 @@ def test_real_protocol_sizes(name, n_train, n_test, pool):
     assert len(client.test) == n_test
     assert client.meta["train_pool_len"] == pool
     assert client.train.x.shape[1:] == (3, 28, 28)
+
+
+def test_even_partition_splits_the_pool_disjointly_over_many_clients():
+    from fednorm.data.protocol import even_domain_clients
+
+    y = torch.arange(1000) % 10
+    ids = torch.arange(1000)  # each image encodes its own index in two pixels
+    x = torch.stack([ids // 256, ids % 256], 1).view(1000, 2, 1, 1).to(torch.uint8)
+    clients = even_domain_clients("dom", x, y, clients_per_domain=20, percent=1.0, pool_size=700, seed=0)
+    assert len(clients) == 20 and [c.name for c in clients[:2]] == ["dom-1", "dom-2"]
+    sizes = [c.num_train for c in clients]
+    assert sum(sizes) == 700 and max(sizes) - min(sizes) <= 1
+    got = torch.cat([c.train.x[:, 0, 0, 0].long() * 256 + c.train.x[:, 1, 0, 0].long() for c in clients])
+    assert len(set(got.tolist())) == 700  # disjoint
+    train_idx, test_idx = stratified_split(y, 0.2, 0)
+    assert set(got.tolist()) == set(train_idx[:700].tolist())  # the FedBN pool, in its order
+    assert all(c.test is clients[0].test for c in clients)  # one shared test split, not copies
+    assert len(clients[0].test) == len(test_idx)
+    half = even_domain_clients("dom", x, y, clients_per_domain=7, percent=0.5, pool_size=700, seed=0)
+    assert sum(c.num_train for c in half) == 350
+    with pytest.raises(ValueError, match="at least one sample"):
+        even_domain_clients("dom", x, y, clients_per_domain=800, pool_size=700)

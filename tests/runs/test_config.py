@@ -44,3 +44,25 @@ def test_missing_config_file_and_unknown_preset(tmp_path):
     bad.write_text("seeds: [0\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(str(bad))
+
+
+def test_fedwon_methods_and_cross_device_validate():
+    cfg = load_config("default", ["methods=[fedwon, fedavg_gn, fedavg_ln, fixbn, {name: fedwon, agc_clip: 0, label: ws}]",
+                                  "federation.setting=cross_device", "data.partition=even",
+                                  "data.clients_per_domain=20", "data.percent=1.0"])
+    built = {m.display: m.build() for m in cfg.methods}
+    assert built["fedwon"].norm == "ws" and built["fedwon"].agc_clip == 0.64
+    assert built["ws"].agc_clip == 0.0
+    assert built["fedavg_gn"].norm == "gn" and built["fixbn"].freeze_bn_stats_at == 0.5
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["methods=[fedbn]", "federation.setting=cross_device"], "cross-device"),
+    (["methods=[fedavg]", "training.batch_size=1"], "batch_size 1"),
+    (["methods=[{name: fedbn, norm: gn}]"], "keeps BatchNorm state local"),
+    (["model.norm=batch"], "model.norm"),
+    (["methods=[{name: fedwon, agc_clip: -1}]"], "agc_clip"),
+])
+def test_bad_fedwon_configs_name_the_problem(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("default", overrides)

@@ -131,3 +131,16 @@ def test_real_digit_domains_run_end_to_end(tmp_path):
     assert origins == {"usps": "real", "semeion": "real", "rendered/synth": "rendered"}
     text = (tmp_path / "run" / "results.md").read_text()
     assert "paper" in text and "95.56" in text  # FedAvg's USPS number from FedBN Table 11 beside ours
+
+
+def test_cross_device_run_evaluates_each_domain_once_with_the_global_model(tmp_path):
+    cfg = tiny_config("methods=[fedwon, fixbn]", "federation.setting=cross_device", "data.partition=even",
+                      "data.clients_per_domain=10", "data.percent=1.0", "federation.fraction=0.2",
+                      "training.batch_size=4", "model.classifier=fedwon", "federation.rounds=2")
+    results = start_run(cfg, tmp_path / "run")
+    for r in results:
+        assert [c["name"] for c in r.summary["clients"]] == ["rendered/print", "rendered/neon"]
+    records = store.read_metrics(tmp_path / "run" / "fedwon" / "seed0" / store.METRICS_FILE)
+    trained = {x["client"] for x in records if x["split"] == "train" and x["round"] == 1}
+    assert len(trained) == 4  # 20 % of 20 clients
+    assert {x["client"] for x in records if x["split"] == "test"} == {"rendered/print", "rendered/neon"}

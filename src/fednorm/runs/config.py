@@ -6,6 +6,7 @@ rounds). Unknown keys are rejected; every error names the offending key.
 
 from __future__ import annotations
 
+import warnings
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..data.federation import check_domain
 from ..methods.aggregation import WEIGHTINGS
-from ..methods.local_update import LocalTraining
+from ..methods.local_update import LocalTraining, native_bf16, resolve_precision
 from ..methods.policy import POLICIES
 from ..methods.presets import PRESETS, Method, resolve_method
 from ..models.norm import NORM_KINDS
@@ -115,10 +116,18 @@ class TrainingConfig(_Strict):
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     drop_last: bool = False
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "auto"] = Field(
+        "fp32", description="auto: bf16 autocast where the CPU has native bf16 (AMX / AVX512-BF16), else fp32")
 
     def build(self) -> LocalTraining:
-        return LocalTraining(**self.model_dump())
+        values = self.model_dump()
+        values["precision"] = resolve_precision(self.precision)
+        if values["precision"] == "bf16" and not native_bf16():
+            warnings.warn(
+                "training.precision is bf16 but this machine has no native bf16 (no AMX / AVX512-BF16): "
+                "PyTorch emulates it, many times slower than fp32; use precision: auto or fp32",
+                RuntimeWarning, stacklevel=2)
+        return LocalTraining(**values)
 
 
 class FederationConfig(_Strict):

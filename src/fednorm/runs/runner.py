@@ -19,6 +19,7 @@ import yaml
 from ..data.datafolder import resolve_data_dir
 from ..data.domain import ClientData, normalize_batch
 from ..data.federation import build_clients, domain_eval_clients, is_rendered, pooled_client
+from ..methods.local_update import resolve_precision
 from ..engines.simulation import Federation, InProcessEngine, derive_seed
 from . import store
 from .config import ExperimentConfig, MethodConfig, validate
@@ -164,9 +165,14 @@ def summarize_cell(records: list[dict], clients: list[ClientData], label: str, s
 
 
 # ------------------------------------------------------------------------------------------ runs
-def _write_run_info(run_dir: Path, data_dir: Path | None) -> None:
-    store.write_json(run_dir / RUN_INFO_FILE, {"data_dir": str(data_dir) if data_dir else None,
-                                               "fednorm_version": __import__("fednorm").__version__})
+def _write_run_info(run_dir: Path, data_dir: Path | None, config: ExperimentConfig) -> None:
+    store.write_json(run_dir / RUN_INFO_FILE, {
+        "data_dir": str(data_dir) if data_dir else None,
+        "fednorm_version": __import__("fednorm").__version__,
+        "precision": resolve_precision(config.training.precision),  # what `auto` became on this machine
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    })
 
 
 def start_run(
@@ -184,7 +190,7 @@ def start_run(
     clients = build_federation_data(config, resolved)  # before writing anything: bad data leaves no folder
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / store.CONFIG_FILE).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
-    _write_run_info(run_dir, resolved)
+    _write_run_info(run_dir, resolved, config)
     return execute(run_dir, config, resolved, progress, clients=clients)
 
 

@@ -1,0 +1,132 @@
+"""FedWon, FixBN and cross-device federations in the in-process engine."""
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from fednorm.data.domain import ClientData, normalize_batch
+from fednorm.engines.simulation import Federation, InProcessEngine
+from fednorm.methods import LocalTraining, resolve_method, train_locally
+from fednorm.models import DigitCNN, WSConv2d, build_model
+
+from ..conftest import make_split
+
+TRAIN = LocalTraining(batch_size=8, lr=0.05)
+
+
+def make_engine(clients, method, model, training=TRAIN, **fed):
+    fed.setdefault("channels_last", False)
+    return InProcessEngine(model, clients, resolve_method(method) if isinstance(method, str) else method,
+                           training, Federation(**fed), normalize_batch)
+
+
+def device_clients(n, size=6):
+    return [ClientData(f"d{i % 2}-{i}", f"d{i % 2}", make_split(size, seed=i, shift=30.0 * (i % 2)),
+                       make_split(8, seed=1000 + i % 2, shift=30.0 * (i % 2))) for i in range(n)]
+
+
+def test_fedwon_model_is_normalization_free_and_keeps_nothing_local(tiny_clients):
+    torch.manual_seed(0)
+    model = build_model("digit_cnn", norm="ws", classifier="fedwon", width=0.125)
+    eng = make_engine(tiny_clients, "fedwon", model)
+    assert eng.local_keys == frozenset()
+    assert any(k.endswith(".gain") for k in eng.shared_keys)  # WSConv gains are averaged like any parameter
+    assert not any(k.endswith((".eps", ".fan_in")) for k in eng.global_state)  # non-persistent buffers
+    eng.run_round()
+    assert eng.local_states == {}
+
+
+def test_agc_changes_the_update_only_through_clipping(tiny_clients):
+    client = tiny_clients[0]
+    outs = {}
+    for clip in (0.0, 0.01, 1e6):
+        torch.manual_seed(0)
+        model = build_model("digit_cnn", norm="ws", classifier="fedwon", width=0.125)
+        train_locally(model, client.train, TRAIN, generator=torch.Generator().manual_seed(1),
+                      prepare=normalize_batch, agc_clip=clip)
+        outs[clip] = model.state_dict()
+    # a huge threshold never clips: identical to no AGC; a tiny one changes every clipped tensor
+    for k in outs[0.0]:
+        torch.testing.assert_close(outs[1e6][k], outs[0.0][k])
+    assert not torch.allclose(outs[0.01]["features.0.weight"], outs[0.0]["features.0.weight"])
+
+
+def test_fixbn_freezes_statistics_from_its_switch_round(tiny_clients):
+    torch.manual_seed(0)
+    model = DigitCNN(width=0.125, classifier="fedwon")
+    eng = make_engine(tiny_clients, resolve_method("fixbn", freeze_bn_stats_at=2), model, rounds=4)
+    assert eng.freeze_round == 2
+    stats = lambda: eng.global_state["features.1.running_mean"].clone()  # noqa: E731
+    before = stats()
+    eng.run_round()
+    eng.run_round()
+    phase1 = stats()
+    assert not torch.equal(phase1, before)  # phase 1: ordinary BN, statistics learned and averaged
+    weight = eng.global_state["features.1.weight"].clone()
+    eng.run_round()
+    torch.testing.assert_close(stats(), phase1, rtol=0, atol=0)  # phase 2: frozen and shared
+    assert not torch.equal(eng.global_state["features.1.weight"], weight)  # affine still trains
+
+
+def test_fixbn_default_switch_is_half_the_rounds():
+    assert resolve_method("fixbn").freeze_round(100) == 50
+    assert resolve_method("fixbn", freeze_bn_stats_at=30).freeze_round(100) == 30
+
+
+def test_frozen_bn_normalizes_with_running_statistics_in_training():
+    torch.manual_seed(0)
+    model = DigitCNN(width=0.125, classifier="fedwon")
+    data = make_split(8, seed=3)
+    train_locally(model, data, LocalTraining(batch_size=1, lr=0.0), generator=torch.Generator().manual_seed(0),
+                  prepare=normalize_batch, freeze_bn_stats=True)  # batches of one are fine once frozen
+    assert all(not m.training for m in model.modules() if isinstance(m, _BatchNorm))
+    assert all(int(m.num_batches_tracked) == 0 for m in model.modules() if isinstance(m, _BatchNorm))
+
+
+def test_cross_device_refuses_methods_with_client_state():
+    clients = device_clients(6)
+    for method in ("fedbn", "silobn", "singleset"):
+        with pytest.raises(ValueError, match="cross-device clients"):
+            make_engine(clients, method, DigitCNN(width=0.125), stateless_clients=True, fraction=0.5)
+    with pytest.raises(ValueError, match="stateless"):
+        Federation(stateless_clients=True, persistent_optimizer=True)
+
+
+def test_cross_device_sampling_is_seeded_and_keeps_no_client_state():
+    clients = device_clients(20)
+    model = build_model("digit_cnn", norm="ws", classifier="fedwon", width=0.125)
+    eng = make_engine(clients, "fedwon", model, stateless_clients=True, fraction=0.2, seed=5,
+                      training=LocalTraining(batch_size=2, lr=0.05))
+    picks = [[c.name for c in eng.sample_clients(r)] for r in range(5)]
+    assert all(len(p) == 4 for p in picks)
+    assert len({tuple(p) for p in picks}) > 1  # a new draw every round
+    again = make_engine(clients, "fedwon", build_model("digit_cnn", norm="ws", classifier="fedwon", width=0.125),
+                        stateless_clients=True, fraction=0.2, seed=5)
+    assert picks == [[c.name for c in again.sample_clients(r)] for r in range(5)]
+    other = make_engine(clients, "fedwon", build_model("digit_cnn", norm="ws", classifier="fedwon", width=0.125),
+                        stateless_clients=True, fraction=0.2, seed=6)
+    assert picks != [[c.name for c in other.sample_clients(r)] for r in range(5)]
+    results = eng.run_round()
+    assert sorted(results) == sorted(picks[0])
+    assert eng.local_states == {} and eng.optimizer_states == {}
+
+
+def test_batch_size_one_trains_fedwon_and_refuses_batchnorm(tiny_clients):
+    one = LocalTraining(batch_size=1, lr=0.01)
+    model = build_model("digit_cnn", norm="ws", classifier="fedwon", width=0.125)
+    make_engine(tiny_clients, "fedwon", model, training=one).run_round()
+    with pytest.raises(ValueError, match="batch_size 1"):
+        make_engine(tiny_clients, "fedavg", DigitCNN(width=0.125), training=one).run_round()
+
+
+def test_fedbn_needs_a_model_with_batchnorm(tiny_clients):
+    with pytest.raises(ValueError, match="no BatchNorm"):
+        make_engine(tiny_clients, "fedbn", DigitCNN(width=0.125, norm="gn"))
+
+
+def test_ws_layers_are_wsconv_in_every_registered_model():
+    for name in ("digit_cnn", "resnet20"):
+        model = build_model(name, norm="ws", width=0.25) if name == "digit_cnn" else build_model(name, norm="ws")
+        convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+        assert convs and all(isinstance(c, WSConv2d) for c in convs)
