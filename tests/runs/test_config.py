@@ -66,3 +66,10 @@ def test_fedwon_methods_and_cross_device_validate():
 def test_bad_fedwon_configs_name_the_problem(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config("default", overrides)
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_shipped_preset_validates_and_builds_its_methods(name):
+    cfg = load_config(name)
+    for m in cfg.methods:
+        m.build()

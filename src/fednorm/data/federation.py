@@ -16,6 +16,7 @@ from .protocol import even_domain_clients, fedbn_domain_clients
 PARTITIONS = ("fedbn", "even")
 
 RENDERED_PREFIX = "rendered/"
+PACS_PREFIX = "pacs/"
 # Rendered pools default to USPS's size (7,291 + 2,007 = 9,298), so the 80/20 split gives exactly
 # the FedBN training pool of 7,438 and a test set of 1,860.
 DEFAULT_RENDERED_SIZE = 9298
@@ -27,9 +28,29 @@ def is_rendered(domain: str) -> bool:
 
 def known_domains() -> list[str]:
     from .digits import REAL_DIGIT_DOMAINS
+    from .pacs import PACS_DOMAINS
     from .rendered import RENDER_STYLES
 
-    return list(REAL_DIGIT_DOMAINS) + [RENDERED_PREFIX + s for s in RENDER_STYLES]
+    return (list(REAL_DIGIT_DOMAINS) + [RENDERED_PREFIX + s for s in RENDER_STYLES]
+            + [PACS_PREFIX + d for d in PACS_DOMAINS])
+
+
+def num_classes(domains: list[str]) -> int:
+    """The label count shared by ``domains`` (digits 10, PACS 7); mixing benchmarks is an error."""
+    from .pacs import PACS_CLASSES
+
+    counts = {len(PACS_CLASSES) if d.startswith(PACS_PREFIX) else 10 for d in domains}
+    if len(counts) != 1:
+        raise ValueError(f"domains {domains} mix benchmarks with different classes (digits and PACS)")
+    return counts.pop()
+
+
+def image_size(domains: list[str]) -> int:
+    """Side of the images of ``domains``: 28 for digits, 64 for PACS."""
+    sizes = {64 if d.startswith(PACS_PREFIX) else 28 for d in domains}
+    if len(sizes) != 1:
+        raise ValueError(f"domains {domains} mix image sizes (digits are 28 x 28, PACS 64 x 64)")
+    return sizes.pop()
 
 
 def check_domain(domain: str) -> str:
@@ -39,16 +60,20 @@ def check_domain(domain: str) -> str:
 
 
 def load_pool(domain: str, *, data_dir: Path | None, rendered_size: int = DEFAULT_RENDERED_SIZE, seed: int = 0):
-    """All images and labels of one domain, at 3 x 28 x 28 uint8."""
+    """All images and labels of one domain, uint8 N x 3 x H x W (digits 28 x 28, PACS 64 x 64)."""
     check_domain(domain)
     if is_rendered(domain):
         from .rendered import rendered_domain
 
         return rendered_domain(domain[len(RENDERED_PREFIX):], n=rendered_size, seed=seed)
-    from .digits import load_digit_pool
-
     if data_dir is None:
         raise DataError(f"domain {domain!r} needs a data folder: pass --data-dir DIR or set FEDNORM_DATA")
+    if domain.startswith(PACS_PREFIX):
+        from .pacs import load_pacs_pool
+
+        return load_pacs_pool(domain[len(PACS_PREFIX):], Path(data_dir))
+    from .digits import load_digit_pool
+
     return load_digit_pool(domain, Path(data_dir))
 
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..data.federation import check_domain
+from ..data.federation import check_domain, image_size, num_classes
 from ..methods.aggregation import WEIGHTINGS
 from ..methods.local_update import LocalTraining, native_bf16, resolve_precision
 from ..methods.policy import POLICIES
@@ -81,6 +81,7 @@ class MethodConfig(_Strict):
     agc_clip: float | None = Field(None, ge=0, description="AGC threshold lambda; 0 turns AGC off")
     agc_exclude_head: bool | None = None
     freeze_bn_stats_at: float | None = Field(None, gt=0, description="FixBN switch: fraction of rounds (<1) or round")
+    lr: float | None = Field(None, gt=0, description="this method's learning rate (the papers tune it per method)")
 
     @field_validator("name")
     @classmethod
@@ -185,6 +186,14 @@ class ExperimentConfig(_Strict):
                     "use a method without BN (fedwon, fedavg_gn, fedavg_ln) or batch_size >= 2")
             if method.policy in ("local_bn", "local_bn_stats") and norm != "bn":
                 raise ValueError(f"method {m.display!r} keeps BatchNorm state local but its model norm is {norm!r}")
+        try:
+            size = image_size(self.data.domains)
+            num_classes(self.data.domains)
+        except ValueError as exc:
+            raise ValueError(f"data.domains: {exc}") from None
+        if self.model.name == "digit_cnn" and size != 28:
+            raise ValueError(f"model digit_cnn takes 28 x 28 digits; domains of {size} x {size} need alexnet, "
+                             "resnet18, resnet20 or mobilenet_v2")
         if self.federation.setting == "cross_device" and self.federation.persistent_optimizer:
             raise ValueError("persistent_optimizer keeps state on each client; cross-device clients are stateless")
         return self

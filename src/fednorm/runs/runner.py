@@ -9,7 +9,7 @@ is derived from (seed, round, client) rather than from the order of execution.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -18,7 +18,7 @@ import yaml
 
 from ..data.datafolder import resolve_data_dir
 from ..data.domain import ClientData, normalize_batch
-from ..data.federation import build_clients, domain_eval_clients, is_rendered, pooled_client
+from ..data.federation import build_clients, domain_eval_clients, is_rendered, num_classes, pooled_client
 from ..methods.local_update import resolve_precision
 from ..engines.simulation import Federation, InProcessEngine, derive_seed
 from . import store
@@ -65,7 +65,7 @@ def build_engine(
     """The engine of one cell; the model's initial weights depend on the seed only."""
     method = method_cfg.build()
     torch.manual_seed(derive_seed(seed, _INIT_STREAM))
-    model = config.model.build(norm=method.norm, num_classes=10)
+    model = config.model.build(norm=method.norm, num_classes=num_classes(config.data.domains))
     f = config.federation
     cross_device = f.setting == "cross_device"
     federation = Federation(
@@ -78,8 +78,11 @@ def build_engine(
         rounds=f.rounds,
     )
     train_clients = [pooled_client(clients)] if method.pooled else clients
+    training = config.training.build()
+    if method_cfg.lr is not None:
+        training = replace(training, lr=method_cfg.lr)
     return InProcessEngine(
-        model, train_clients, method, config.training.build(), federation, normalize_batch,
+        model, train_clients, method, training, federation, normalize_batch,
         eval_clients=evaluation_clients(config, clients),
     )
 
