@@ -139,7 +139,9 @@ def report(
 def methods() -> None:
     """List the methods, one line each."""
     for name, m in PRESETS.items():
-        console.print(f"[bold]{name:12s}[/] {m.summary}  [dim]({m.paper}; policy {m.policy})[/]", highlight=False,
+        axes = [f"policy {m.policy}"] + ([f"norm {m.norm}"] if m.norm else []) + (
+            [f"AGC {m.agc_clip:g}"] if m.agc_clip else [])
+        console.print(f"[bold]{name:12s}[/] {m.summary}  [dim]({m.paper}; {', '.join(axes)})[/]", highlight=False,
                       soft_wrap=True)
 
 
@@ -147,7 +149,7 @@ def methods() -> None:
 def presets() -> None:
     """List the experiment presets shipped with fednorm."""
     for name in preset_names():
-        console.print(f"[bold]{name:14s}[/] {load_config(name).description}", highlight=False, soft_wrap=True)
+        console.print(f"[bold]{name:20s}[/] {load_config(name).description}", highlight=False, soft_wrap=True)
 
 
 if __name__ == "__main__":
