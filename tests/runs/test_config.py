@@ -73,3 +73,14 @@ def test_every_shipped_preset_validates_and_builds_its_methods(name):
     cfg = load_config(name)
     for m in cfg.methods:
         m.build()
+
+
+def test_ws_variance_reaches_every_wsconv():
+    from fednorm.models import WSConv2d
+
+    cfg = load_config("default", ["model.ws_variance=biased", "model.width=0.125"])
+    model = cfg.model.build(norm="ws")
+    convs = [m for m in model.modules() if isinstance(m, WSConv2d)]
+    assert len(convs) == 3 and all(c.variance == "biased" for c in convs)
+    assert all(c.variance == "unbiased" for c in load_config().model.build(norm="ws").modules()
+               if isinstance(c, WSConv2d))

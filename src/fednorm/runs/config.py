@@ -21,6 +21,7 @@ from ..methods.policy import POLICIES
 from ..methods.presets import PRESETS, Method, resolve_method
 from ..models.norm import NORM_KINDS
 from ..models.registry import MODEL_NAMES, build_model
+from ..models.wsconv import WSConv2d
 
 
 class ConfigError(ValueError):
@@ -62,11 +63,17 @@ class ModelConfig(_Strict):
     classifier: Literal["fedbn", "fedwon"] = Field(
         "fedbn", description="digit_cnn / alexnet only: fedbn = BN after FC1, FC2; fedwon = dropout, no norm")
     width: float = Field(1.0, gt=0, le=4)
+    ws_variance: Literal["unbiased", "biased"] = Field(
+        "unbiased", description="WSConv variance: unbiased as FedWon's Listing 1 (torch.var), biased as its Eq. 3")
 
     def build(self, norm: str | None = None, num_classes: int = 10):
         """The model, with ``norm`` (a method's own normalization) in place of ``self.norm`` if given."""
-        return build_model(self.name, num_classes=num_classes, norm=norm or self.norm, classifier=self.classifier,
-                           width=self.width)
+        model = build_model(self.name, num_classes=num_classes, norm=norm or self.norm, classifier=self.classifier,
+                            width=self.width)
+        for module in model.modules():
+            if isinstance(module, WSConv2d):
+                module.variance = self.ws_variance
+        return model
 
 
 class MethodConfig(_Strict):

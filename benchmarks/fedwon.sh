@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# FedWon experiments (presets fedwon_digits, fedwon_cross_device, fedwon_pacs, fedwon_small_batch,
+# fedwon_ablation, fedwon_local_epochs) on the data available offline. One run folder per
+# (preset, method, seed) under results/fedwon/, so partial results are usable and `fednorm report`
+# merges them; re-running resumes unfinished cells.
+#   PRESET=fedwon_digits CELLS="fedavg:0 fedwon:0" ROUNDS=30 bash benchmarks/fedwon.sh
+# ROUNDS shortens a run (the presets hold the paper's rounds); EXTRA adds --set overrides.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PRESET=${PRESET:-fedwon_digits}
+OUT=${OUT:-benchmarks/results/fedwon/$PRESET${ROUNDS:+-r$ROUNDS}}
+DATA=${DATA:-../shared/data}
+CELLS=${CELLS:?set CELLS, e.g. CELLS=\"fedavg:0 fedwon:0\" (method labels of the preset : seed)}
+EXTRA=${EXTRA:-}
+mkdir -p "$OUT"
+for cell in $CELLS; do
+  label=${cell%%:*}; seed=${cell##*:}
+  dir="$OUT/$label-seed$seed"
+  start=$(date +%s)
+  if [ -f "$dir/config.yaml" ]; then
+    .venv/bin/fednorm resume "$dir" --data-dir "$DATA" --quiet
+  else
+    # keep only this method of the preset (by label), with its own overrides (lr, agc_clip...)
+    method=$(.venv/bin/python -c "
+import json, sys
+from fednorm.runs.config import load_config
+m = [m for m in load_config('$PRESET').methods if m.display == '$label']
+sys.exit('no method labelled $label in $PRESET') if not m else print(json.dumps(m[0].model_dump(exclude_none=True)))")
+    # shellcheck disable=SC2086
+    .venv/bin/fednorm run "$PRESET" --data-dir "$DATA" --set "methods=[$method]" --set "seeds=[$seed]" \
+      ${ROUNDS:+--set federation.rounds=$ROUNDS} $EXTRA --out "$dir" --quiet
+  fi
+  echo "$PRESET $label seed $seed${ROUNDS:+ ($ROUNDS rounds)}: $(( $(date +%s) - start )) s wall" | tee -a "$OUT/wall_times.txt"
+done
+.venv/bin/fednorm report "$OUT"/*/ --markdown | tee "$OUT/table.md"
