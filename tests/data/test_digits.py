@@ -135,7 +135,7 @@ def test_chunking_does_not_change_result(fake_folder, monkeypatch):
 
 def test_unknown_domain_lists_valid_names(tmp_path):
     with pytest.raises(ValueError) as info:
-        load_digit_pool("svhn", tmp_path)
+        load_digit_pool("notadomain", tmp_path)
     for name in REAL_DIGIT_DOMAINS:
         assert name in str(info.value)
 

@@ -152,5 +152,37 @@ def presets() -> None:
         console.print(f"[bold]{name:20s}[/] {load_config(name).description}", highlight=False, soft_wrap=True)
 
 
+data_app = typer.Typer(no_args_is_help=True, help="Prepare datasets in the data folder.")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("prepare")
+def data_prepare(
+    dataset: str = typer.Argument(..., help="svhn, synthdigits or cifar10"),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder (else FEDNORM_DATA, else the user cache)"),
+    raw_dir: Optional[str] = typer.Option(None, "--raw-dir", help="folder of the official files (default DATA_DIR/raw/DATASET)"),
+    fedbn_dir: Optional[str] = typer.Option(None, "--fedbn-dir", help="svhn/synthdigits: read med-air/FedBN's partition files"),
+    no_download: bool = typer.Option(False, "--no-download", help="never download; use the files in --raw-dir"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+) -> None:
+    """Download (resumable, checksummed) and convert a dataset into the data folder's npz format."""
+    from ..data.datafolder import resolve_data_dir
+    from ..data.prepare import PREPARERS, prepare_fedbn_digits
+
+    if dataset not in PREPARERS:
+        _fail(ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(PREPARERS)}"))
+    try:
+        folder = resolve_data_dir(data_dir)
+        if fedbn_dir is not None:
+            if dataset == "cifar10":
+                _fail(ValueError("--fedbn-dir applies to svhn and synthdigits only"))
+            path = prepare_fedbn_digits(dataset, folder, Path(fedbn_dir))
+        else:
+            path = PREPARERS[dataset](folder, raw_dir=raw_dir, download=not no_download, progress=not quiet)
+    except DataError as exc:
+        _fail(exc)
+    console.print(f"wrote {path} and its manifest entry", highlight=False)
+
+
 if __name__ == "__main__":
     app()

@@ -1,4 +1,4 @@
-"""Real digit domains (MNIST, MNIST-M, USPS, Semeion) from an offline data folder.
+"""Real digit domains (MNIST, MNIST-M, USPS, Semeion, SVHN, SynthDigits) from a data folder.
 
 Each domain is returned as one pool: the union of the file's train and test arrays (train first,
 then test), because the FedBN protocol (:mod:`fednorm.data.protocol`) ignores the official splits
@@ -6,7 +6,8 @@ and re-splits that union 80/20 with a stratified shuffle. Images are brought to 
 CNN's input once, at load time: uint8, 3 x 28 x 28. The official code does this per sample with
 torchvision transforms on PIL images (med-air/FedBN ``federated/fed_digits.py``,
 ``prepare_data``): MNIST ``Grayscale(3)``; USPS ``Resize([28, 28])`` then ``Grayscale(3)``;
-MNIST-M no transform (its pickled MNIST-M is 28 x 28 already). Here the resize is bilinear with
+MNIST-M no transform (its pickled MNIST-M is 28 x 28 already); SVHN and SynthDigits
+``Resize([28, 28])`` of the 32 x 32 RGB images. Here the resize is bilinear with
 antialiasing on float tensors, rounded back to uint8; it differs from PIL's ``Resize`` by at most
 one grey level.
 
@@ -15,6 +16,8 @@ Choices where the official code has nothing to copy:
 * MNIST-M in the offline folder is the 32 x 32 release (Ganin & Lempitsky), not the 28 x 28
   pickle the official code reads, so it is resized 32 -> 28 like SVHN/SynthDigits are there.
 * Semeion is not a FedBN domain; it is loaded like USPS (16 x 16 grey, resized, replicated).
+* SVHN and SynthDigits have no offline copy; :mod:`fednorm.data.prepare` writes their files from
+  the official ones (or FedBN's partitions), and they load like MNIST-M (32 x 32 RGB -> 28 x 28).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ REAL_DIGIT_DOMAINS: dict[str, str] = {
     "mnistm": "digits/mnistm.npz",
     "usps": "digits/usps.npz",
     "semeion": "digits/semeion.npz",
+    "svhn": "digits/svhn.npz",
+    "synthdigits": "digits/synthdigits.npz",
 }
 
 # (image key, label key) pairs of each file, concatenated in this order.
@@ -44,7 +49,12 @@ _ARRAY_PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
     "mnistm": (("x_train", "y_train"), ("x_test", "y_test")),
     "usps": (("x_train", "y_train"), ("x_test", "y_test")),
     "semeion": (("x", "y"),),
+    "svhn": (("x_train", "y_train"), ("x_test", "y_test")),
+    "synthdigits": (("x_train", "y_train"), ("x_test", "y_test")),
 }
+
+# Domains whose file is written by fednorm.data.prepare from the official files.
+_PREPARED = ("svhn", "synthdigits")
 
 _CHUNK = 2048  # images converted at a time: bounds the float32 working memory to ~25 MB
 
@@ -92,6 +102,11 @@ def load_digit_pool(name: str, data_dir: Path) -> tuple[torch.Tensor, torch.Tens
     relpath = REAL_DIGIT_DOMAINS[name]
     path = Path(data_dir) / relpath
     pairs = _ARRAY_PAIRS[name]
+    if name in _PREPARED and Path(data_dir).is_dir() and not path.is_file():
+        raise DataError(
+            f"Data file {path} is missing: {name} has no offline copy. Create it from the official "
+            f"files with: fednorm data prepare {name} --data-dir {data_dir}"
+        )
     arrays = load_npz(Path(data_dir), relpath, keys=[k for pair in pairs for k in pair])
     for x_key, y_key in pairs:
         x, y = arrays[x_key], arrays[y_key]

@@ -1,6 +1,7 @@
 """Build a federation's clients from domain names: real digit files or rendered styles.
 
-Domain names: ``mnist``, ``mnistm``, ``usps``, ``semeion`` (real, read from the data folder), and
+Domain names: ``mnist``, ``mnistm``, ``usps``, ``semeion``, ``svhn``, ``synthdigits`` (real, read
+from the data folder; the last two written there by ``python -m fednorm.data.prepare``), and
 ``rendered/<style>`` (procedurally rendered, built in memory, no file needed). Every domain goes
 through the same FedBN digits protocol (:mod:`fednorm.data.protocol`): stratified 80/20 split,
 training pool of 7,438, ten partitions, ``percent`` of the pool per client.

@@ -1,0 +1,379 @@
+"""Turn the official dataset files into the data folder's npz format (``../shared/data/README.md``).
+
+Each ``prepare_*`` function gets the official files (downloading them with
+:func:`fednorm.data.download.download` when a URL is known and allowed), converts them once to a
+NumPy ``.npz`` of uint8 arrays, and records the file's sha256, size, array shapes and source in the
+folder's ``manifest.json``, so the normal loaders (:func:`fednorm.data.datafolder.load_npz`) verify
+it like any other file:
+
+* SVHN (Netzer et al. 2011) ``train_32x32.mat`` / ``test_32x32.mat`` -> ``digits/svhn.npz``;
+* SynthDigits (SynNumbers, Ganin & Lempitsky 2015) ``synth_{train,test}_32x32.mat`` ->
+  ``digits/synthdigits.npz``; or the FedBN authors' preprocessed partitions (both digit sets);
+* CIFAR-10 (Krizhevsky 2009) ``cifar-10-python.tar.gz`` -> ``cifar10/cifar10.npz``.
+
+The conversions follow med-air/FedBN ``utils/data_preprocess.py`` (``process_svhn``,
+``process_synth``): ``X`` (32, 32, 3, N) -> (N, 32, 32, 3), SVHN label 10 -> 0. The official
+train/test files are stored as ``x_train``/``x_test``; the digit loaders pool them and re-split
+80/20 like FedBN. Command line: ``fednorm data prepare {svhn,synthdigits,cifar10}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import tarfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .cifar10 import CIFAR10_CLASSES, CIFAR10_FILE
+from .datafolder import MANIFEST_NAME, resolve_data_dir
+from .digits import REAL_DIGIT_DOMAINS
+from .domain import DataError
+from .download import download as _download
+from .download import sha256_of, verify_file
+
+
+@dataclass(frozen=True)
+class RawFile:
+    """One official file: where it comes from and the digests known for it (None = not known).
+
+    ``md5`` may be a zero-argument function, so digests published by torchvision are read from the
+    installed torchvision when needed rather than copied here.
+    """
+
+    url: str | None
+    filename: str
+    sha256: str | None = None
+    md5: str | Callable[[], str | None] | None = None
+
+    def expected_md5(self) -> str | None:
+        return self.md5() if callable(self.md5) else self.md5
+
+
+def _torchvision_md5(get: Callable) -> Callable[[], str | None]:
+    """A lookup of an md5 that torchvision's dataset classes publish (None if unavailable)."""
+
+    def lookup() -> str | None:
+        try:
+            import torchvision.datasets as tvd
+
+            return str(get(tvd))
+        except (ImportError, AttributeError, KeyError, IndexError, TypeError):
+            return None
+
+    return lookup
+
+
+# No sha256 of the official files is published by their authors or known here: None, and the md5
+# that torchvision lists (torchvision.datasets.SVHN.split_list) is verified instead.
+SVHN_SOURCES: dict[str, RawFile] = {
+    "train": RawFile(
+        "http://ufldl.stanford.edu/housenumbers/train_32x32.mat", "train_32x32.mat", None,
+        _torchvision_md5(lambda tv: tv.SVHN.split_list["train"][2]),
+    ),
+    "test": RawFile(
+        "http://ufldl.stanford.edu/housenumbers/test_32x32.mat", "test_32x32.mat", None,
+        _torchvision_md5(lambda tv: tv.SVHN.split_list["test"][2]),
+    ),
+}
+
+# SynNumbers has no stable direct-download URL known here (the authors and FedBN share it through
+# Google Drive: FedBN's data zip, file id 1P8g7uHyVxQJPcBKE8TAzfdKbimpRbj0I in med-air/FedBN
+# utils/data_preprocess.py, which urllib cannot fetch without Drive's confirmation step), and no
+# digest of these files is known: url, sha256 and md5 are None, and the files are placed by hand.
+SYNTHDIGITS_SOURCES: dict[str, RawFile] = {
+    "train": RawFile(None, "synth_train_32x32.mat"),
+    "test": RawFile(None, "synth_test_32x32.mat"),
+}
+
+# The archive's md5 is the one torchvision.datasets.CIFAR10.tgz_md5 lists; no sha256 is known.
+CIFAR10_SOURCES: dict[str, RawFile] = {
+    "archive": RawFile(
+        "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz", "cifar-10-python.tar.gz", None,
+        _torchvision_md5(lambda tv: tv.CIFAR10.tgz_md5),
+    ),
+}
+
+DIGIT_FILES = {name: REAL_DIGIT_DOMAINS[name] for name in ("svhn", "synthdigits")}
+_SYNTH_HINT = (
+    "No direct download URL is known for SynthDigits: get synth_train_32x32.mat and "
+    "synth_test_32x32.mat (SynNumbers, Ganin & Lempitsky 2015; also inside the data zip of "
+    "med-air/FedBN) and put them in {raw_dir}, or prepare from FedBN's preprocessed partitions "
+    "(--fedbn-dir)."
+)
+
+
+# --- writing into the data folder ----------------------------------------------------------------
+
+
+def _update_manifest(data_dir: Path, key: str, entry: dict) -> None:
+    """Set ``manifest[key] = entry`` (dropping other entries for the same file), atomically."""
+    path = data_dir / MANIFEST_NAME
+    manifest: dict = {}
+    if path.is_file():
+        try:
+            manifest = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise DataError(f"Cannot read the data manifest {path}: {exc}. Fix or delete it, then "
+                            "prepare the data again.") from exc
+        if not isinstance(manifest, dict):
+            raise DataError(f"The data manifest {path} is not a JSON object of file entries. Fix or "
+                            "delete it, then prepare the data again.")
+    manifest = {k: v for k, v in manifest.items()
+                if not (isinstance(v, dict) and v.get("file") == entry["file"])}
+    manifest[key] = entry
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_dataset_file(data_dir: Path, relpath: str, arrays: dict[str, np.ndarray], *, key: str,
+                       source: str) -> Path:
+    """Write ``arrays`` to ``data_dir/relpath`` (compressed npz, atomic rename) and list the file
+    in ``manifest.json`` under ``key`` with its sha256, size, array shapes and ``source``."""
+    data_dir = Path(data_dir)
+    path = data_dir / relpath
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as fh:
+        np.savez_compressed(fh, **arrays)
+    os.replace(tmp, path)
+    _update_manifest(data_dir, key, {
+        "file": relpath,
+        "sha256": sha256_of(path),
+        "bytes": path.stat().st_size,
+        "arrays": {k: list(v.shape) for k, v in arrays.items()},
+        "source": source,
+    })
+    return path
+
+
+def _fetch(source: RawFile, raw_dir: Path, *, download: bool, progress: bool, hint: str) -> Path:
+    """The official file in ``raw_dir``, checked against its known digests; downloaded if absent
+    (and allowed and a URL is known)."""
+    path = raw_dir / source.filename
+    md5 = source.expected_md5()
+    if path.is_file():
+        verify_file(path, sha256=source.sha256, md5=md5)
+        return path
+    if source.url is None or not download:
+        raise DataError(f"The official file {path} is missing. " + hint.format(raw_dir=raw_dir))
+    return _download(source.url, path, source.sha256, progress, md5=md5)
+
+
+def _describe(source: RawFile, path: Path) -> str:
+    md5 = source.expected_md5()
+    checked = f"md5 {md5} verified" if md5 else "no official digest known"
+    if source.sha256:
+        checked = f"sha256 {source.sha256} verified"
+    return f"{source.url or path.name} ({checked})"
+
+
+# --- SVHN and SynthDigits (.mat) -----------------------------------------------------------------
+
+
+def _digit_labels(y: np.ndarray, path: Path, convention: str) -> np.ndarray:
+    """Labels 0..9 as uint8. ``svhn``: official 1..10 with 10 meaning digit 0 (SVHN's README).
+    ``zero_or_svhn``: 0..9 as in SynNumbers (FedBN uses them unmapped), or SVHN's 1..10."""
+    y = np.asarray(y).reshape(-1)
+    if y.size == 0:
+        return y.astype(np.uint8)
+    if not np.issubdtype(y.dtype, np.number) or not np.all(np.equal(np.mod(y, 1), 0)):
+        raise DataError(f"{path}: labels y must be integers, got {y.dtype}. Is this the official file?")
+    y = y.astype(np.int64)
+    lo, hi = int(y.min()), int(y.max())
+    if convention == "svhn":
+        if lo < 1 or hi > 10:
+            raise DataError(f"{path}: SVHN labels must be 1..10 (10 = digit 0), found {lo}..{hi}. "
+                            "Is this the official file?")
+        return np.where(y == 10, 0, y).astype(np.uint8)
+    if 0 <= lo and hi <= 9:
+        return y.astype(np.uint8)
+    if 1 <= lo and hi <= 10:  # SVHN's convention
+        return np.where(y == 10, 0, y).astype(np.uint8)
+    raise DataError(f"{path}: digit labels must be 0..9 or 1..10 (10 = digit 0), found {lo}..{hi}. "
+                    "Is this the official file?")
+
+
+def read_digits_mat(path: Path, convention: str) -> tuple[np.ndarray, np.ndarray]:
+    """Images (N, 32, 32, 3) uint8 and labels 0..9 (uint8) from an SVHN-layout MATLAB v5 file:
+    ``X`` (32, 32, 3, N) uint8, ``y`` (N, 1). ``convention``: see :func:`_digit_labels`."""
+    from scipy.io import loadmat
+
+    path = Path(path)
+    try:
+        mat = loadmat(path, variable_names=["X", "y"])
+    except Exception as exc:  # noqa: BLE001 - scipy raises many types for a bad file
+        raise DataError(f"Cannot read {path} as a MATLAB v5 file ({type(exc).__name__}: {exc}). "
+                        "Delete it and get the official file again.") from exc
+    if "X" not in mat or "y" not in mat:
+        raise DataError(f"{path} lacks the variables X and y of the SVHN layout. Is this the "
+                        "official file?")
+    x, y = mat.pop("X"), mat.pop("y")
+    if x.dtype != np.uint8 or x.ndim != 4 or x.shape[:3] != (32, 32, 3):
+        raise DataError(f"{path}: X must be uint8 (32, 32, 3, N), got {x.dtype} {x.shape}. "
+                        "Is this the official file?")
+    labels = _digit_labels(y, path, convention)
+    if labels.shape[0] != x.shape[3]:
+        raise DataError(f"{path}: y has {labels.shape[0]} labels for {x.shape[3]} images.")
+    return np.ascontiguousarray(np.moveaxis(x, 3, 0)), labels
+
+
+def _prepare_mat_digits(name: str, sources: dict[str, RawFile], convention: str, data_dir: Path,
+                        raw_dir: Path | None, download: bool, progress: bool, hint: str) -> Path:
+    data_dir = Path(data_dir)
+    raw_dir = Path(raw_dir) if raw_dir is not None else data_dir / "raw" / name
+    paths = {split: _fetch(src, raw_dir, download=download, progress=progress, hint=hint)
+             for split, src in sources.items()}
+    arrays: dict[str, np.ndarray] = {}
+    for split in ("train", "test"):
+        arrays[f"x_{split}"], arrays[f"y_{split}"] = read_digits_mat(paths[split], convention)
+    source = "; ".join(_describe(sources[s], paths[s]) for s in ("train", "test"))
+    return write_dataset_file(data_dir, DIGIT_FILES[name], arrays, key=name, source=source)
+
+
+def prepare_svhn(data_dir: Path, *, raw_dir: Path | None = None, download: bool = True,
+                 progress: bool = True) -> Path:
+    """Write ``digits/svhn.npz`` from the official SVHN cropped-digit files (73,257 train and
+    26,032 test images, label 10 -> 0), downloading them into ``raw_dir`` (default
+    ``data_dir/raw/svhn``) if absent. Returns the npz path."""
+    hint = "Download it from {url} into {{raw_dir}}, or allow downloading.".format(
+        url=SVHN_SOURCES["train"].url.rsplit("/", 1)[0] + "/")
+    return _prepare_mat_digits("svhn", SVHN_SOURCES, "svhn", data_dir, raw_dir, download, progress,
+                               hint)
+
+
+def prepare_synthdigits(data_dir: Path, *, raw_dir: Path | None = None, download: bool = True,
+                        progress: bool = True) -> Path:
+    """Write ``digits/synthdigits.npz`` from SynNumbers' ``synth_{train,test}_32x32.mat`` in
+    ``raw_dir`` (default ``data_dir/raw/synthdigits``; no download URL is known). Returns the path."""
+    return _prepare_mat_digits("synthdigits", SYNTHDIGITS_SOURCES, "zero_or_svhn", data_dir,
+                               raw_dir, download, progress, _SYNTH_HINT)
+
+
+# --- FedBN's preprocessed partitions ---------------------------------------------------------------
+
+
+def _read_pickle_pair(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    if not path.is_file():
+        raise DataError(f"The FedBN partition file {path} is missing. Point --fedbn-dir at FedBN's "
+                        "data/<Dataset> folder holding partitions/train_part0..9.pkl and test.pkl.")
+    try:
+        with path.open("rb") as fh:
+            obj = pickle.load(fh)  # FedBN wrote these with pickle.dump; only load trusted files
+    except Exception as exc:  # noqa: BLE001 - unpickling can raise almost anything
+        raise DataError(f"Cannot unpickle {path} ({type(exc).__name__}: {exc}). Get FedBN's "
+                        "files again.") from exc
+    if not isinstance(obj, (tuple, list)) or len(obj) != 2:
+        raise DataError(f"{path} must hold a pickled pair (images, labels) as FedBN writes it, got "
+                        f"{type(obj).__name__}.")
+    x, y = np.asarray(obj[0]), np.asarray(obj[1])
+    if x.dtype != np.uint8 or x.ndim != 4 or x.shape[-1] != 3 or x.shape[1] != x.shape[2]:
+        raise DataError(f"{path}: images must be uint8 (N, H, W, 3), got {x.dtype} {x.shape}.")
+    y = y.reshape(-1)
+    if y.shape[0] != x.shape[0] or (y.size and (y.min() < 0 or y.max() > 9)):
+        raise DataError(f"{path}: labels must be one digit 0..9 per image, got shape {y.shape}.")
+    return x, y.astype(np.uint8)
+
+
+def read_fedbn_partitions(folder: Path, parts: int = 10) -> dict[str, np.ndarray]:
+    """``x_train``/``y_train`` (``partitions/train_part0..9.pkl`` concatenated in order: FedBN's
+    7,438-sample training pool) and ``x_test``/``y_test`` (``test.pkl``: FedBN's 20 % test split)
+    from a med-air/FedBN ``data/<Dataset>`` folder (``utils/data_preprocess.py``, ``split``).
+
+    Each file is a pickled tuple ``(images, labels)``; FedBN's SVHN and SynthDigits images are
+    (N, 32, 32, 3) uint8 (its training code resizes to 28 x 28 on the fly). Pickle can run code:
+    read only files from a source you trust.
+    """
+    folder = Path(folder)
+    xs, ys = zip(*(_read_pickle_pair(folder / "partitions" / f"train_part{i}.pkl")
+                   for i in range(parts)))
+    x_test, y_test = _read_pickle_pair(folder / "test.pkl")
+    if len({x.shape[1:] for x in (*xs, x_test)}) != 1:
+        raise DataError(f"The FedBN files in {folder} have different image sizes.")
+    return {"x_train": np.concatenate(xs), "y_train": np.concatenate(ys),
+            "x_test": x_test, "y_test": y_test}
+
+
+def prepare_fedbn_digits(name: str, data_dir: Path, fedbn_dir: Path) -> Path:
+    """Write ``digits/<name>.npz`` (``svhn`` or ``synthdigits``) from FedBN's preprocessed files.
+
+    The pool is then FedBN's 7,438 training images plus its test split (19,858 SVHN, 97,791
+    SynthDigits); the digit loaders re-split that union 80/20, so the test images are not exactly
+    FedBN's (use the official files for the full pool).
+    """
+    if name not in DIGIT_FILES:
+        raise ValueError(f"unknown digit set {name!r}; choose one of {', '.join(DIGIT_FILES)}")
+    arrays = read_fedbn_partitions(Path(fedbn_dir))
+    source = f"med-air/FedBN preprocessed partitions (train_part0..9.pkl + test.pkl) from {fedbn_dir}"
+    return write_dataset_file(Path(data_dir), DIGIT_FILES[name], arrays, key=name, source=source)
+
+
+# --- CIFAR-10 --------------------------------------------------------------------------------------
+
+
+def _cifar_batch(tar: tarfile.TarFile, name: str, archive: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(N, 32, 32, 3) uint8 images and uint8 labels of one python-version batch."""
+    try:
+        fh = tar.extractfile(f"cifar-10-batches-py/{name}")
+    except KeyError:
+        fh = None
+    if fh is None:
+        raise DataError(f"{archive} lacks cifar-10-batches-py/{name}. Delete it and download the "
+                        "official archive again.")
+    with fh:
+        # Python 2 pickles (the official "python version"); latin1 keeps numpy arrays intact.
+        batch = pickle.load(fh, encoding="latin1")
+    batch = {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in batch.items()}
+    if "data" not in batch or "labels" not in batch:
+        raise DataError(f"{archive}: batch {name} lacks 'data' or 'labels'.")
+    data = np.asarray(batch["data"])
+    labels = np.asarray(batch["labels"]).reshape(-1)
+    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072 or labels.shape[0] != data.shape[0]:
+        raise DataError(f"{archive}: batch {name} must hold uint8 data (N, 3072) and N labels, got "
+                        f"{data.dtype} {data.shape} and {labels.shape[0]} labels.")
+    if labels.size and (labels.min() < 0 or labels.max() > 9):
+        raise DataError(f"{archive}: batch {name} has labels outside 0..9.")
+    # Each row: 1024 red, 1024 green, 1024 blue values, each a 32 x 32 image in row-major order.
+    images = data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    return np.ascontiguousarray(images), labels.astype(np.uint8)
+
+
+def read_cifar10_archive(archive: Path) -> dict[str, np.ndarray]:
+    """The official split from ``cifar-10-python.tar.gz`` as NHWC uint8 arrays (members are read,
+    never extracted). Its batches are pickles: only read an archive whose md5 was verified or that
+    you trust."""
+    archive = Path(archive)
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            train = [_cifar_batch(tar, f"data_batch_{i}", archive) for i in range(1, 6)]
+            x_test, y_test = _cifar_batch(tar, "test_batch", archive)
+    except (tarfile.TarError, OSError, EOFError, pickle.UnpicklingError) as exc:
+        raise DataError(f"Cannot read {archive} ({type(exc).__name__}: {exc}). Delete it and "
+                        "download the official archive again.") from exc
+    return {"x_train": np.concatenate([x for x, _ in train]),
+            "y_train": np.concatenate([y for _, y in train]),
+            "x_test": x_test, "y_test": y_test, "classes": np.array(CIFAR10_CLASSES)}
+
+
+def prepare_cifar10(data_dir: Path, *, raw_dir: Path | None = None, download: bool = True,
+                    progress: bool = True) -> Path:
+    """Write ``cifar10/cifar10.npz`` from the official python-version archive, downloading it into
+    ``raw_dir`` (default ``data_dir/raw/cifar10``) if absent. Returns the npz path."""
+    data_dir = Path(data_dir)
+    raw_dir = Path(raw_dir) if raw_dir is not None else data_dir / "raw" / "cifar10"
+    src = CIFAR10_SOURCES["archive"]
+    hint = f"Download it from {src.url} into {{raw_dir}}, or allow downloading."
+    archive = _fetch(src, raw_dir, download=download, progress=progress, hint=hint)
+    return write_dataset_file(data_dir, CIFAR10_FILE, read_cifar10_archive(archive), key="cifar10",
+                              source=_describe(src, archive))
+
+
+# --- command line ----------------------------------------------------------------------------------
+
+
+PREPARERS = {"svhn": prepare_svhn, "synthdigits": prepare_synthdigits, "cifar10": prepare_cifar10}
