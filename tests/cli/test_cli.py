@@ -72,3 +72,21 @@ def test_kill_minus_9_then_resume_equals_an_uninterrupted_run(tmp_path):
     assert result.exit_code == 0, result.output
     straight = (tmp_path / "straight" / "fedbn" / "seed0" / "metrics.jsonl").read_text()
     assert metrics.read_text() == straight
+
+
+def test_data_verify_flags_a_corrupt_file_and_list_shows_presence(tmp_path):
+    import numpy as np
+
+    from ..conftest import write_data_folder
+
+    folder = write_data_folder(tmp_path, {"digits/usps.npz": {"x_train": np.zeros((2, 16, 16), np.uint8),
+                                                              "y_train": np.zeros(2, np.uint8)}})
+    ok = runner.invoke(app, ["data", "verify", "--data-dir", str(folder)])
+    assert ok.exit_code == 0 and "ok" in ok.output and "digits/usps.npz" in ok.output
+    listed = runner.invoke(app, ["data", "list", "--data-dir", str(folder)])
+    assert listed.exit_code == 0
+    rows = {line.split("│")[1].strip(): line for line in listed.output.splitlines() if line.count("│") >= 3}
+    assert "yes" in rows["usps"] and "no" in rows["mnist"] and "yes" in rows["rendered/print"]
+    (folder / "digits/usps.npz").write_bytes(b"corrupt")
+    bad = runner.invoke(app, ["data", "verify", "--data-dir", str(folder)])
+    assert bad.exit_code == 1 and "BAD" in bad.output

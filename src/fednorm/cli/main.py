@@ -156,6 +156,47 @@ data_app = typer.Typer(no_args_is_help=True, help="Prepare datasets in the data 
 app.add_typer(data_app, name="data")
 
 
+@data_app.command("list")
+def data_list(
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder (else FEDNORM_DATA, else the user cache)"),
+) -> None:
+    """The domains fednorm knows, the file each reads, and whether it is in the data folder."""
+    from ..data.datafolder import resolve_data_dir
+    from ..data.digits import REAL_DIGIT_DOMAINS
+    from ..data.federation import PACS_PREFIX, RENDERED_PREFIX, known_domains
+    from ..data.pacs import PACS_FILE
+
+    folder = resolve_data_dir(data_dir)
+    t = Table(title=f"domains (data folder {folder})")
+    for head in ("domain", "file", "here"):
+        t.add_column(head)
+    for domain in known_domains():
+        if domain.startswith(RENDERED_PREFIX):
+            t.add_row(domain, "(rendered in memory)", "yes")
+            continue
+        rel = PACS_FILE if domain.startswith(PACS_PREFIX) else REAL_DIGIT_DOMAINS[domain]
+        t.add_row(domain, rel, "yes" if (folder / rel).is_file() else "no")
+    console.print(t)
+
+
+@data_app.command("verify")
+def data_verify(
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder (else FEDNORM_DATA, else the user cache)"),
+) -> None:
+    """Check the size and sha256 of every file the folder's manifest lists; exit 1 if one is wrong."""
+    from ..data.datafolder import resolve_data_dir, verify_folder
+
+    try:
+        report = verify_folder(resolve_data_dir(data_dir))
+    except DataError as exc:
+        _fail(exc)
+    for file, status in report:
+        console.print(f"{'[green]ok[/]' if status == 'ok' else '[red]BAD[/]'}  {file}  {'' if status == 'ok' else status}",
+                      highlight=False)
+    if any(status != "ok" for _, status in report):
+        raise typer.Exit(code=1)
+
+
 @data_app.command("prepare")
 def data_prepare(
     dataset: str = typer.Argument(..., help="svhn, synthdigits or cifar10"),

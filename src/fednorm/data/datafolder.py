@@ -156,3 +156,29 @@ def load_npz(
                 f"Data file {path} has an unreadable array ({type(exc).__name__}: {exc}). "
                 f"Re-download or re-copy it. {_FIX}."
             ) from exc
+
+
+def verify_folder(data_dir: Path) -> list[tuple[str, str]]:
+    """Check every file the manifest lists: ``[(file, "ok" | what is wrong)]``, in manifest order."""
+    data_dir = Path(data_dir)
+    manifest_path = data_dir / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise DataError(f"{data_dir} has no {MANIFEST_NAME}, so there is nothing to verify. {_FIX}.")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"Cannot read the data manifest {manifest_path}: {exc}. {_FIX}.") from exc
+    report = []
+    for entry in manifest.values() if isinstance(manifest, dict) else []:
+        if not isinstance(entry, dict) or "file" not in entry:
+            continue
+        path = data_dir / str(entry["file"])
+        if not path.is_file():
+            report.append((str(entry["file"]), "missing"))
+            continue
+        try:
+            _verify(path, entry)
+            report.append((str(entry["file"]), "ok"))
+        except DataError as exc:
+            report.append((str(entry["file"]), str(exc).split(". ")[0]))
+    return report
