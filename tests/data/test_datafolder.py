@@ -73,8 +73,8 @@ def test_listed_file_is_verified_and_loaded(tmp_path, monkeypatch):
     arrays = _arrays()
     root = write_data_folder(tmp_path, {"digits/a.npz": arrays})
     hashed = []
-    real_sha = datafolder._sha256
-    monkeypatch.setattr(datafolder, "_sha256", lambda p: hashed.append(p) or real_sha(p))
+    real_sha = datafolder.sha256_of
+    monkeypatch.setattr(datafolder, "sha256_of", lambda p: hashed.append(p) or real_sha(p))
 
     out = load_npz(root, "digits/a.npz")
     assert set(out) == {"x_train", "y_train"}
@@ -115,7 +115,7 @@ def test_wrong_size_is_rejected_before_hashing(tmp_path, monkeypatch):
     root = write_data_folder(tmp_path, {"digits/a.npz": _arrays()})
     path = root / "digits/a.npz"
     path.write_bytes(path.read_bytes()[:-10])
-    monkeypatch.setattr(datafolder, "_sha256", lambda p: pytest.fail("hashed a truncated file"))
+    monkeypatch.setattr(datafolder, "sha256_of", lambda p: pytest.fail("hashed a truncated file"))
     with pytest.raises(DataError, match="wrong size") as info:
         load_npz(root, "digits/a.npz")
     assert str(path) in str(info.value)

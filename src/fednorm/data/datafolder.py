@@ -11,7 +11,6 @@ how to fix it, instead of producing silently wrong results. Nothing here downloa
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import zipfile
@@ -23,6 +22,7 @@ import numpy as np
 import platformdirs
 
 from fednorm.data.domain import DataError
+from fednorm.data.download import sha256_of
 
 ENV_VAR = "FEDNORM_DATA"
 MANIFEST_NAME = "manifest.json"
@@ -31,7 +31,6 @@ _FIX = (
     f"Pass --data-dir DIR or set {ENV_VAR} to a folder in the documented format "
     "(npz files plus manifest.json, e.g. ../shared/data from the project root)"
 )
-_HASH_CHUNK = 1 << 20
 
 # Files whose checksum already matched in this process, keyed by (path, size, mtime_ns, expected
 # sha256): a file that has not changed on disk is not hashed again on every load.
@@ -74,14 +73,6 @@ def _manifest_entry(data_dir: Path, relpath: str) -> dict | None:
     return None
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _verify(path: Path, entry: dict) -> None:
     """Check size then sha256 of ``path`` against its manifest entry (memoized per process)."""
     expected_sha = str(entry.get("sha256", "")).lower()
@@ -97,7 +88,7 @@ def _verify(path: Path, entry: dict) -> None:
             f"found {stat.st_size}. The file is truncated or not the listed one. {redo}. {_FIX}."
         )
     if expected_sha:
-        actual = _sha256(path)
+        actual = sha256_of(path)
         if actual != expected_sha:
             raise DataError(
                 f"Checksum mismatch for data file {path}: expected sha256 {expected_sha} "
