@@ -1,0 +1,78 @@
+"""Label-skew partitioners: split one labelled pool into client index sets.
+
+Each function returns a list of int64 index tensors, one per client, disjoint, in a deterministic
+order for a given seed. They complement the feature-shift splits of :mod:`fednorm.data.protocol`
+(one domain per client) for the papers' label-skew experiments (FedWon Sec. 5, FBN Sec. 4).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def _labels(labels: torch.Tensor) -> np.ndarray:
+    y = torch.as_tensor(labels).cpu().numpy()
+    if y.ndim != 1:
+        raise ValueError(f"labels must be a vector, got shape {y.shape}")
+    return y
+
+
+def iid_partition(labels: torch.Tensor, num_clients: int, seed: int = 0) -> list[torch.Tensor]:
+    """A seeded shuffle cut into ``num_clients`` near-equal parts."""
+    n = len(_labels(labels))
+    if not 1 <= num_clients <= n:
+        raise ValueError(f"cannot split {n} samples over {num_clients} clients")
+    order = np.random.default_rng(seed).permutation(n)
+    return [torch.from_numpy(part.astype(np.int64)) for part in np.array_split(order, num_clients)]
+
+
+def dirichlet_partition(
+    labels: torch.Tensor, num_clients: int, alpha: float, seed: int = 0, min_size: int = 10, max_tries: int = 1000
+) -> list[torch.Tensor]:
+    """Dirichlet label skew (Hsu et al. 2019): for each class, proportions q ~ Dir(alpha * 1) over the
+    clients and the class's samples split accordingly; redrawn until every client has ``min_size``
+    samples (the rule of the widely used FL benchmark code, e.g. FedMA / NIID-Bench). Small alpha is
+    more skewed; alpha -> infinity approaches iid.
+    """
+    y = _labels(labels)
+    if alpha <= 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    if num_clients * min_size > len(y):
+        raise ValueError(f"{num_clients} clients x min_size {min_size} exceed the {len(y)} samples")
+    rng = np.random.default_rng(seed)
+    for _ in range(max_tries):
+        parts: list[list[int]] = [[] for _ in range(num_clients)]
+        for c in np.unique(y):
+            idx = rng.permutation(np.flatnonzero(y == c))
+            q = rng.dirichlet(np.full(num_clients, alpha))
+            cuts = (np.cumsum(q)[:-1] * len(idx)).astype(int)
+            for k, chunk in enumerate(np.split(idx, cuts)):
+                parts[k].extend(chunk.tolist())
+        if min(len(p) for p in parts) >= min_size:
+            return [torch.tensor(sorted(p), dtype=torch.int64) for p in parts]
+    raise ValueError(f"no Dirichlet({alpha}) draw in {max_tries} tries gave every client {min_size} samples; "
+                     "lower min_size or raise alpha")
+
+
+def gamma_similarity_partition(labels: torch.Tensor, num_clients: int, gamma: float, seed: int = 0) -> list[torch.Tensor]:
+    """FBN's gamma-similarity (after SCAFFOLD, Karimireddy et al. 2020): a fraction ``gamma`` of the pool
+    is shuffled and dealt out iid; the rest is sorted by label and cut into ``num_clients`` consecutive
+    chunks, one per client. gamma = 1 is iid; gamma = 0 gives each client a contiguous label block
+    (one class each when classes and clients are equal in number and size).
+
+    The paper does not say how the iid part is drawn; a seeded uniform draw without replacement is used.
+    """
+    y = _labels(labels)
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    n = len(y)
+    if not 1 <= num_clients <= n:
+        raise ValueError(f"cannot split {n} samples over {num_clients} clients")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(n)
+    n_iid = int(round(gamma * n))
+    iid, rest = order[:n_iid], order[n_iid:]
+    rest = rest[np.argsort(y[rest], kind="stable")]
+    parts = [np.concatenate([a, b]) for a, b in zip(np.array_split(iid, num_clients), np.array_split(rest, num_clients))]
+    return [torch.from_numpy(np.sort(p).astype(np.int64)) for p in parts]

@@ -1,0 +1,53 @@
+import pytest
+import torch
+
+from fednorm.data.partition import dirichlet_partition, gamma_similarity_partition, iid_partition
+
+LABELS = torch.arange(1000) % 10  # 100 samples per class
+
+
+def assert_disjoint_cover(parts, n):
+    flat = torch.cat(parts)
+    assert len(flat) == n and len(set(flat.tolist())) == n
+
+
+def test_iid_partition_is_a_seeded_equal_split():
+    parts = iid_partition(LABELS, 7, seed=1)
+    assert_disjoint_cover(parts, 1000)
+    assert max(len(p) for p in parts) - min(len(p) for p in parts) <= 1
+    assert all(torch.equal(a, b) for a, b in zip(parts, iid_partition(LABELS, 7, seed=1)))
+    assert not all(torch.equal(a, b) for a, b in zip(parts, iid_partition(LABELS, 7, seed=2)))
+
+
+def test_gamma_zero_gives_each_client_one_class_and_gamma_one_is_iid():
+    parts = gamma_similarity_partition(LABELS, 10, gamma=0.0)
+    assert_disjoint_cover(parts, 1000)
+    assert [sorted(set(LABELS[p].tolist())) for p in parts] == [[c] for c in range(10)]
+    iid = gamma_similarity_partition(LABELS, 10, gamma=1.0, seed=3)
+    assert_disjoint_cover(iid, 1000)
+    assert all(len(set(LABELS[p].tolist())) == 10 for p in iid)
+
+
+def test_gamma_fraction_is_dealt_iid_and_sizes_are_equal():
+    parts = gamma_similarity_partition(LABELS, 10, gamma=0.3, seed=0)
+    assert_disjoint_cover(parts, 1000)
+    assert {len(p) for p in parts} == {100}
+    # each client: a 70-sample block of the label-sorted rest (at most two adjacent classes, as block
+    # edges need not fall on class edges) plus 30 iid samples
+    for p in parts:
+        counts = torch.bincount(LABELS[p], minlength=10).sort(descending=True).values
+        assert counts[:2].sum() >= 70 and counts[0] < 100
+
+
+def test_dirichlet_skew_grows_as_alpha_shrinks_and_respects_min_size():
+    def mean_classes(alpha):
+        parts = dirichlet_partition(LABELS, 10, alpha, seed=0, min_size=5)
+        assert_disjoint_cover(parts, 1000)
+        assert min(len(p) for p in parts) >= 5
+        return sum((torch.bincount(LABELS[p], minlength=10) >= 5).sum().item() for p in parts) / 10
+
+    assert mean_classes(0.1) < mean_classes(1.0) < mean_classes(100.0)
+    a = dirichlet_partition(LABELS, 10, 0.5, seed=4)
+    assert all(torch.equal(x, y) for x, y in zip(a, dirichlet_partition(LABELS, 10, 0.5, seed=4)))
+    with pytest.raises(ValueError, match="exceed"):
+        dirichlet_partition(LABELS, 200, 0.5, min_size=10)
