@@ -62,6 +62,9 @@ def test_fedwon_methods_and_cross_device_validate():
     (["methods=[{name: fedbn, norm: gn}]"], "keeps BatchNorm state local"),
     (["model.norm=batch"], "model.norm"),
     (["methods=[{name: fedwon, agc_clip: -1}]"], "agc_clip"),
+    (["model.name=alexnet"], "at least 63"),
+    (["data.domains=[pacs/photo]"], "digit_cnn takes 28"),
+    (["data.domains=[mnist, pacs/photo]", "model.name=resnet18"], "mix"),
 ])
 def test_bad_fedwon_configs_name_the_problem(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -201,6 +201,9 @@ class ExperimentConfig(_Strict):
         if self.model.name == "digit_cnn" and size != 28:
             raise ValueError(f"model digit_cnn takes 28 x 28 digits; domains of {size} x {size} need alexnet, "
                              "resnet18, resnet20 or mobilenet_v2")
+        if self.model.name == "alexnet" and size < 63:
+            raise ValueError(f"model alexnet needs images of at least 63 x 63 (its third max-pool), the domains "
+                             f"are {size} x {size}: use digit_cnn, resnet18, resnet20 or mobilenet_v2")
         if self.federation.setting == "cross_device" and self.federation.persistent_optimizer:
             raise ValueError("persistent_optimizer keeps state on each client; cross-device clients are stateless")
         return self
