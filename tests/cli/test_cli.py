@@ -18,7 +18,8 @@ SETS = [arg for item in TINY for arg in ("--set", item)]
 def test_methods_lists_every_preset_with_one_line():
     result = runner.invoke(app, ["methods"])
     assert result.exit_code == 0
-    for name in ("fedavg", "fedprox", "fedbn", "silobn", "singleset", "centralized"):
+    for name in ("fedavg", "fedprox", "fedbn", "silobn", "singleset", "centralized", "fedwon", "fedavg_gn",
+                 "fedavg_ln", "fedavg_nobn", "fixbn"):
         assert name in result.output
 
 

@@ -63,6 +63,7 @@ def test_fedwon_methods_and_cross_device_validate():
     (["model.norm=batch"], "model.norm"),
     (["methods=[{name: fedwon, agc_clip: -1}]"], "agc_clip"),
     (["model.name=alexnet"], "at least 63"),
+    (["data.clients_per_domain=20"], "partition: even"),
     (["data.domains=[pacs/photo]"], "digit_cnn takes 28"),
     (["data.domains=[mnist, pacs/photo]", "model.name=resnet18"], "mix"),
 ])

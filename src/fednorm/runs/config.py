@@ -47,6 +47,16 @@ class DataConfig(_Strict):
     rendered_size: int = Field(9298, ge=20, description="images rendered per rendered domain")
     data_dir: str | None = Field(None, description="data folder; else --data-dir, FEDNORM_DATA, user cache")
 
+    @model_validator(mode="after")
+    def _partition_fits(self) -> "DataConfig":
+        if self.partition == "fedbn":
+            per_client = max(1, round(self.percent * 10)) if self.percent >= 0.1 else 1
+            if self.clients_per_domain * per_client > 10:
+                raise ValueError(
+                    f"partition fedbn cuts each domain into 10 partitions: {self.clients_per_domain} clients at "
+                    f"percent {self.percent:g} do not fit; use partition: even for more clients per domain")
+        return self
+
     @field_validator("domains")
     @classmethod
     def _known(cls, value: list[str]) -> list[str]:
