@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .classifier import check_classifier, three_layer_classifier
 from .norm import check_norm, make_conv, make_norm
 
-CLASSIFIERS = ("fedbn", "fedwon")
 MIN_INPUT = 63  # smallest side whose feature map survives conv1 (stride 4) and the three 3/2 max-pools
 
 
@@ -42,8 +42,7 @@ class AlexNet(nn.Module):
         linear layer); use ``classifier="fedwon"``.
         """
         super().__init__()
-        if classifier not in CLASSIFIERS:
-            raise ValueError(f"unknown classifier {classifier!r}; choose one of {', '.join(CLASSIFIERS)}")
+        check_classifier(classifier)
         check_norm(norm)
         c1, c2, c3, c4, c5, f = (max(1, round(c * width)) for c in (64, 192, 384, 256, 256, 4096))
         flat = c5 * 6 * 6
@@ -73,26 +72,7 @@ class AlexNet(nn.Module):
             nn.MaxPool2d(3, 2),
         )
         self.avgpool = nn.AdaptiveAvgPool2d((6, 6))
-        if classifier == "fedbn":
-            self.classifier = nn.Sequential(
-                nn.Linear(flat, f),
-                make_norm(norm, f, spatial=False),
-                nn.ReLU(inplace=True),
-                nn.Linear(f, f),
-                make_norm(norm, f, spatial=False),
-                nn.ReLU(inplace=True),
-                nn.Linear(f, num_classes),
-            )
-        else:
-            self.classifier = nn.Sequential(
-                nn.Dropout(dropout),
-                nn.Linear(flat, f),
-                nn.ReLU(inplace=True),
-                nn.Dropout(dropout),
-                nn.Linear(f, f),
-                nn.ReLU(inplace=True),
-                nn.Linear(f, num_classes),
-            )
+        self.classifier = three_layer_classifier(classifier, norm, flat, f, f, num_classes, dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if min(x.shape[-2:]) < MIN_INPUT:

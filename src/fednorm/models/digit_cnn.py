@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .classifier import check_classifier, three_layer_classifier
 from .norm import check_norm, make_conv, make_norm
 
-CLASSIFIERS = ("fedbn", "fedwon")
 
 
 class DigitCNN(nn.Module):
@@ -33,8 +33,7 @@ class DigitCNN(nn.Module):
     ) -> None:
         """``width`` scales every layer's channel count (1.0 = the paper's model; tests use less)."""
         super().__init__()
-        if classifier not in CLASSIFIERS:
-            raise ValueError(f"unknown classifier {classifier!r}; choose one of {', '.join(CLASSIFIERS)}")
+        check_classifier(classifier)
         check_norm(norm)
         c1, c3, f1, f2 = (max(1, round(c * width)) for c in (64, 128, 2048, 512))
         flat = c3 * 7 * 7
@@ -52,26 +51,7 @@ class DigitCNN(nn.Module):
             make_norm(norm, c3, groups=64),
             nn.ReLU(inplace=True),
         )
-        if classifier == "fedbn":
-            self.classifier = nn.Sequential(
-                nn.Linear(flat, f1),
-                make_norm(norm, f1, spatial=False),
-                nn.ReLU(inplace=True),
-                nn.Linear(f1, f2),
-                make_norm(norm, f2, spatial=False),
-                nn.ReLU(inplace=True),
-                nn.Linear(f2, num_classes),
-            )
-        else:
-            self.classifier = nn.Sequential(
-                nn.Dropout(dropout),
-                nn.Linear(flat, f1),
-                nn.ReLU(inplace=True),
-                nn.Dropout(dropout),
-                nn.Linear(f1, f2),
-                nn.ReLU(inplace=True),
-                nn.Linear(f2, num_classes),
-            )
+        self.classifier = three_layer_classifier(classifier, norm, flat, f1, f2, num_classes, dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-2:] != (28, 28):
