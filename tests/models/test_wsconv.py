@@ -109,6 +109,7 @@ def test_ws_digit_cnn_matches_fedwon_table5_and_works_at_batch_one():
     assert model(torch.zeros(1, 3, 28, 28)).shape == (1, 10)  # no batch dependency: B = 1 works
 
 
-def test_ws_and_none_models_have_no_local_state_under_fedbn():
+def test_none_norm_gives_no_norm_layers_and_plain_convs():
     plain = DigitCNN(norm="none", classifier="fedwon", width=0.25)
     assert not [m for m in plain.modules() if isinstance(m, (NORM_LAYER_TYPES + (WSConv2d,)))]
+    assert len([m for m in plain.modules() if type(m) is nn.Conv2d]) == 3
