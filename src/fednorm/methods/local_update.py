@@ -37,7 +37,7 @@ PRECISIONS = ("fp32", "bf16")
 def native_bf16() -> bool:
     """True when this CPU computes bf16 natively (AMX tiles or AVX512-BF16).
 
-    Without it, PyTorch emulates bf16 autocast on the CPU, which is slower than fp32 (about 20x for
+    Without it, PyTorch emulates bf16 autocast on the CPU, which is slower than fp32 (20-30x for
     the digit CNN on an AVX2-only AMD EPYC, measured), so ``precision: auto`` picks fp32 there.
     """
     if torch.cuda.is_available():
