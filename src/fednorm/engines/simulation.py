@@ -11,7 +11,7 @@ resume from a checkpoint.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 import numpy as np
@@ -20,10 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data.domain import ClientData, Split
-from ..methods.aggregation import WeightedMean, client_weights
-from ..methods.local_update import LocalResult, LocalTraining, has_batchnorm, train_locally
+from ..methods.aggregation import client_weights
+from ..methods.local_update import LocalResult, LocalTraining, batch_schedule, has_batchnorm, train_locally
 from ..methods.policy import local_state_keys
 from ..methods.presets import Method
+from ..methods.server import ClientReply, LocalSchedule, ServerUpdate, Threat
+from ..models.fbn import federated_bn_layers, set_federation_size
 
 _SAMPLING_STREAM = 1
 _CLIENT_STREAM = 2
@@ -47,6 +49,7 @@ class Federation:
     # cross-device FL: clients are anonymous devices that keep nothing between rounds
     stateless_clients: bool = False
     rounds: int | None = None  # total rounds of the run, for methods with a phase switch (FixBN)
+    threat: Threat = Threat()  # simulated Byzantine clients (robust FBN experiments); honest by default
 
     def __post_init__(self) -> None:
         if not 0 < self.fraction <= 1:
@@ -97,6 +100,15 @@ class InProcessEngine:
         state = self.model.state_dict()
         self.shared_keys = [k for k in state if k not in self.local_keys]
         self.global_state: dict[str, torch.Tensor] = {k: v.detach().clone() for k, v in state.items()}
+        self.fbn_layers = federated_bn_layers(self.model)
+        self.server = ServerUpdate(
+            method.server,
+            {k: self.global_state[k] for k in self.shared_keys},
+            param_keys={n for n, _ in self.model.named_parameters()},
+            fbn_layers={prefix: layer.momentum for prefix, layer in self.fbn_layers.items()},
+            schedule=LocalSchedule(training.lr, training.momentum, method.prox_mu),
+            threat=federation.threat,
+        )
         self.local_states: dict[str, dict[str, torch.Tensor]] = {}
         self.optimizer_states: dict[str, dict] = {}
         self.round = 0  # rounds completed
@@ -111,6 +123,13 @@ class InProcessEngine:
             )
         if method.freeze_bn_stats_at is not None and not has_bn:
             raise ValueError(f"method {method.name!r} freezes BatchNorm statistics, but the model has no BatchNorm")
+        if method.union_batches and self.training.steps is None:
+            raise ValueError(
+                f"method {method.name!r} steps on the merge of the clients' batches of each step, which needs a "
+                "fixed number of local steps: set training.steps (1 for DSGD)")
+        unknown = set(federation.threat.byzantine) - {c.name for c in self.clients}
+        if unknown:
+            raise ValueError(f"Byzantine clients {sorted(unknown)} are not clients of the federation")
         if federation.stateless_clients and method.stateful_clients:
             raise ValueError(
                 f"method {method.name!r} keeps state on each client between rounds (policy {method.policy!r}), "
@@ -138,29 +157,37 @@ class InProcessEngine:
         """Put client ``name``'s model (global state plus its own local state) into the working model."""
         self.model.load_state_dict({**self.global_state, **self.local_states.get(name, {})})
 
+    def _round_training(self, r: int) -> LocalTraining:
+        lr = self.training.lr_at(r)
+        return self.training if lr == self.training.lr else replace(self.training, lr=lr)
+
     def run_round(self) -> dict[str, LocalResult]:
-        """One communication round: local training of the sampled clients, then aggregation."""
+        """One communication round: local training of the sampled clients, then the server update."""
         r = self.round
         participants = self.sample_clients(r)
+        if self.method.union_batches:
+            return self._run_union_round(r, participants)
         weights = client_weights([c.num_train for c in participants], self.federation.weighting)
-        aggregator = WeightedMean({k: self.global_state[k] for k in self.shared_keys}) if self.shared_keys else None
+        training = self._round_training(r)
         prox_reference = None
         code_schedule = self.method.prox_schedule == "fedbn_code"
         if self.method.prox_mu > 0 and not (code_schedule and r == 0):
             params = {n for n, _ in self.model.named_parameters()}
             prox_reference = {k: self.global_state[k] for k in self.shared_keys if k in params}
         freeze = self.freeze_round is not None and r >= self.freeze_round
+        if self.shared_keys:
+            self.server.begin(self.global_state)
         results: dict[str, LocalResult] = {}
         for client, weight in zip(participants, weights):
-            seed = derive_seed(self.federation.seed, r, self._index[client.name], _CLIENT_STREAM)
-            torch.manual_seed(seed)  # dropout and any other sampling inside the model
-            generator = torch.Generator().manual_seed(seed)
             self.load_client(client.name)
+            set_federation_size(self.model, len(participants))
+            for layer in self.fbn_layers.values():
+                layer.last_count = 0
             result, optimizer_state = train_locally(
                 self.model,
                 client.train,
-                self.training,
-                generator=generator,
+                training,
+                generator=self._client_generator(r, client),
                 prepare=self.prepare,
                 prox_reference=prox_reference,
                 prox_mu=self.method.prox_mu,
@@ -175,13 +202,50 @@ class InProcessEngine:
             state = self.model.state_dict()
             if self.local_keys:
                 self.local_states[client.name] = {k: state[k].detach().clone() for k in self.local_keys}
-            if aggregator is not None:
-                aggregator.add({k: state[k] for k in self.shared_keys}, weight, client.name)
+            if self.shared_keys:
+                self.server.add(ClientReply(
+                    client.name, {k: state[k].detach().clone() if self.server.collecting else state[k]
+                                  for k in self.shared_keys},
+                    weight, result.num_steps,
+                    {prefix: layer.last_count for prefix, layer in self.fbn_layers.items() if layer.last_count},
+                ))
             results[client.name] = result
-        if aggregator is not None:
-            self.global_state.update(aggregator.result())
+        if self.shared_keys:
+            self.global_state.update(self.server.finish())
         self.round += 1
         return results
+
+    def _client_generator(self, r: int, client: ClientData) -> torch.Generator:
+        """The client's random stream of round ``r``; also seeds dropout and any sampling inside the model."""
+        seed = derive_seed(self.federation.seed, r, self._index[client.name], _CLIENT_STREAM)
+        torch.manual_seed(seed)
+        return torch.Generator().manual_seed(seed)
+
+    def _run_union_round(self, r: int, participants: list[ClientData]) -> dict[str, LocalResult]:
+        """Centralized BN (FBN Remark 4.1): each client draws its batches as in a federated round; one model
+        steps on the concatenation of the participants' s-th batches, for every local step s."""
+        training = self._round_training(r)
+        guard = has_batchnorm(self.model)
+        schedules, offset, offsets = [], 0, []
+        for client in participants:
+            schedules.append(batch_schedule(client.num_train, training, self._client_generator(r, client), guard))
+            offsets.append(offset)
+            offset += client.num_train
+        union = [torch.cat([sched[s] + off for sched, off in zip(schedules, offsets)])
+                 for s in range(len(schedules[0]))]
+        data = Split.concat([c.train for c in participants])
+        self.load_client("__union__")
+        torch.manual_seed(derive_seed(self.federation.seed, r, _CLIENT_STREAM))
+        result, optimizer_state = train_locally(
+            self.model, data, training, generator=torch.Generator(), prepare=self.prepare,
+            optimizer_state=self.optimizer_states.get("__union__"), agc_clip=self.method.agc_clip,
+            agc_exclude_head=self.method.agc_exclude_head, schedule=union,
+        )
+        if self.federation.persistent_optimizer:
+            self.optimizer_states["__union__"] = optimizer_state
+        self.global_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.round += 1
+        return {"centralized": result}
 
     # ---------------------------------------------------------------- evaluation
     @torch.inference_mode()
@@ -221,6 +285,7 @@ class InProcessEngine:
             "local_states": self.local_states,
             "optimizer_states": self.optimizer_states,
             "local_keys": sorted(self.local_keys),
+            "server": self.server.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -236,3 +301,4 @@ class InProcessEngine:
         self.global_state = state["global_state"]
         self.local_states = state["local_states"]
         self.optimizer_states = state["optimizer_states"]
+        self.server.load_state_dict(state.get("server", {}))

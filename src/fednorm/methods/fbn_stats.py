@@ -88,3 +88,23 @@ def aggregate_naive(means: Tensor, vars: Tensor) -> tuple[Tensor, Tensor]:
     """Naive BN (the paper's baseline, Section 1.2 of the extraction): plain averages of the clients' own
     running stats. Misses the between-client variance and unbiases with K/(K-1) instead of Kn/(Kn-1)."""
     return means.mean(dim=0), vars.mean(dim=0)
+
+
+def aggregate_fbn_weighted(means: Tensor, vars: Tensor, beta: float, counts: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """(RM)/(RV) for clients whose batches hold different numbers of values per channel ``counts`` (K_i).
+
+    Weights w_i = K_i / N (N = sum K_i): m = sum w_i m_i, v = sum w_i v_i + N/((N-1) beta) sum w_i (m_i - m)^2
+    (extraction pitfall 4; the paper assumes equal K "for simplicity"). Equal counts give exactly
+    :func:`aggregate_fbn`. With unequal counts the clients' own unbiasing Kn/(Kn-1) used their own K, so the
+    result is then close to, not exactly, centralized BN's running variance.
+    """
+    k = torch.as_tensor(list(counts), dtype=means.dtype)
+    if k.numel() != means.shape[0] or (k <= 0).any():
+        raise ValueError(f"need one positive count per client row, got {list(counts)} for {means.shape[0]} rows")
+    total = float(k.sum())
+    if total < 2:
+        raise ValueError(f"need at least 2 values per channel in the union batch, got {total:g}")
+    w = (k / total).reshape(-1, *([1] * (means.dim() - 1)))
+    m = (w * means).sum(dim=0)
+    v = (w * vars).sum(dim=0) + total / ((total - 1) * beta) * (w * (means - m) ** 2).sum(dim=0)
+    return m, v.clamp(min=0)

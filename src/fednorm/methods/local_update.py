@@ -32,6 +32,7 @@ from .agc import agc_parameters, clip_unitwise_
 
 
 PRECISIONS = ("fp32", "bf16")
+MOMENTUM_STYLES = ("pytorch", "ema")
 
 
 def native_bf16() -> bool:
@@ -65,10 +66,25 @@ class LocalTraining:
     weight_decay: float = 0.0
     drop_last: bool = False
     precision: str = "fp32"  # "bf16": autocast matmuls/convs to bfloat16 (AMX); weights stay fp32
+    # "pytorch": buf = mu buf + g (torch.optim.SGD); "ema": buf = mu buf + (1 - mu) g, the Polyak form of the
+    # Byzantine-ML literature, which the FBN paper's client momentum 0.99 at lr 0.1 implies (extraction 1.5)
+    momentum_style: str = "pytorch"
+    # FBN Table 2's step schedule: lr / (1 + floor(round / lr_decay_every)) (0.1, 0.05, 0.033 every 1000 steps)
+    lr_decay_every: int | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.momentum_style not in MOMENTUM_STYLES:
+            raise ValueError(f"momentum_style must be one of {', '.join(MOMENTUM_STYLES)}, got {self.momentum_style!r}")
+        if self.lr_decay_every is not None and self.lr_decay_every < 1:
+            raise ValueError(f"lr_decay_every must be >= 1, got {self.lr_decay_every}")
+
+    def lr_at(self, round_index: int) -> float:
+        """The learning rate of round ``round_index`` (0-based) under the decay schedule."""
+        if self.lr_decay_every is None:
+            return self.lr
+        return self.lr / (1 + round_index // self.lr_decay_every)
 
 
 @dataclass
@@ -146,6 +162,7 @@ def train_locally(
     agc_clip: float = 0.0,
     agc_exclude_head: bool = True,
     freeze_bn_stats: bool = False,
+    schedule: list[torch.Tensor] | None = None,
 ) -> tuple[LocalResult, dict]:
     """Train ``model`` in place on ``data``; return the loss statistics and the optimizer state.
 
@@ -155,7 +172,8 @@ def train_locally(
     ``agc_clip`` > 0 clips every step's gradient unit-wise (FedWon's AGC, :mod:`fednorm.methods.agc`),
     after the proximal gradient is added, just before the optimizer step. ``freeze_bn_stats`` puts
     every BatchNorm layer in eval mode (FixBN's second phase): it normalizes with its running
-    statistics and does not update them, while its weight and bias still train.
+    statistics and does not update them, while its weight and bias still train. ``schedule`` replaces the
+    drawn mini-batches by given index tensors (the union batches of centralized BN).
     """
     model.train()
     if freeze_bn_stats:
@@ -164,17 +182,21 @@ def train_locally(
                 module.eval()
     clipped = agc_parameters(model, agc_exclude_head) if agc_clip > 0 else []
     params = dict(model.named_parameters())
+    dampening = cfg.momentum if cfg.momentum_style == "ema" else 0.0
     optimizer = torch.optim.SGD(
-        params.values(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        params.values(), lr=cfg.lr, momentum=cfg.momentum, dampening=dampening, weight_decay=cfg.weight_decay
     )
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)
+        for group in optimizer.param_groups:  # the saved state carries the old lr; this round's schedule wins
+            group.update(lr=cfg.lr, momentum=cfg.momentum, dampening=dampening, weight_decay=cfg.weight_decay)
     prox = []
     if prox_mu > 0 and prox_reference:
         prox = [(params[name], ref) for name, ref in prox_reference.items() if name in params]
     use_bf16 = cfg.precision == "bf16"
     loss_sum, seen = 0.0, 0
-    schedule = batch_schedule(len(data), cfg, generator, guard_single=has_batchnorm(model) and not freeze_bn_stats)
+    if schedule is None:
+        schedule = batch_schedule(len(data), cfg, generator, guard_single=has_batchnorm(model) and not freeze_bn_stats)
     # every pass has the same number of batches, so epoch e starts at step e * per_epoch
     per_epoch = len(schedule) // cfg.epochs if cfg.steps is None else len(schedule)
     for step, index in enumerate(schedule):

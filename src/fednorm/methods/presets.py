@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from ..models.norm import check_norm
 from .policy import check_policy
+from .server import ServerSpec
 
 PROX_SCHEDULES = ("paper", "fedbn_code")
 
@@ -26,6 +27,10 @@ class Method:
     # "fedbn_code": as FedBN's official digits script, no term in round 0 nor on each epoch's first step
     prox_schedule: str = "paper"
     pooled: bool = False  # centralized: one model trained on the union of all clients' training data
+    # centralized BN of the FBN paper (Remark 4.1): one model, each step on the MERGE of the participants'
+    # mini-batches of that step (batch n * b), so it sees exactly the batches the federated methods see
+    union_batches: bool = False
+    server: ServerSpec = ServerSpec()  # the server update (FedAvg's weighted mean by default)
     # the model normalization the method needs (FedWon: "ws", FedAvg+GN: "gn"); None = the config's model.norm
     norm: str | None = None
     # adaptive gradient clipping threshold lambda (FedWon: 0.64 digits, 1.28 Office/DomainNet); 0 = off
@@ -46,6 +51,8 @@ class Method:
             raise ValueError(f"agc_clip must be >= 0 (0 turns AGC off), got {self.agc_clip}")
         if self.freeze_bn_stats_at is not None and self.freeze_bn_stats_at <= 0:
             raise ValueError(f"freeze_bn_stats_at must be > 0, got {self.freeze_bn_stats_at}")
+        if self.pooled and self.union_batches:
+            raise ValueError("pooled and union_batches are two different centralized references; pick one")
         if self.prox_schedule not in PROX_SCHEDULES:
             raise ValueError(f"prox_schedule must be one of {', '.join(PROX_SCHEDULES)}, got {self.prox_schedule!r}")
 
@@ -91,15 +98,38 @@ PRESETS: dict[str, Method] = {
                "shared", norm="bn", freeze_bn_stats_at=0.5, paper="Zhong et al. 2023"),
         Method("centralized", "Centralized: one model on the pooled training data (upper reference)", "shared",
                pooled=True, paper="FedBN App. E.3"),
+        Method("fbn", "Federated BatchNorm: BN normalizes with the shared statistics, aggregated by (RM)/(RV) "
+               "so they equal centralized BN's", "shared", norm="fbn", paper="Guerraoui et al. 2024"),
+        Method("naive_bn", "Naive BN: standard BN on each client, the server averages every entry, statistics "
+               "included (FedAvg's BN handling, named as in the FBN paper)", "shared", norm="bn",
+               paper="FBN baseline"),
+        Method("centralized_bn", "Centralized BN: one model, each step on the merge of the clients' batches of "
+               "that step (batch n x b), standard BN", "shared", norm="bn", union_batches=True,
+               paper="FBN Remark 4.1"),
+        Method("fedavgm", "FedAvgM: server momentum on the averaged update (beta 0.9, server lr 1)", "shared",
+               server=ServerSpec("fedavgm", lr=1.0, momentum=0.9), paper="Hsu et al. 2019"),
+        Method("fedadam", "FedAdam: Adam on the averaged update at the server (lr 0.01, b1 0.9, b2 0.99, tau 1e-3)",
+               "shared", server=ServerSpec("fedadam", lr=0.01), paper="Reddi et al. 2021"),
+        Method("fedyogi", "FedYogi: Yogi on the averaged update at the server", "shared",
+               server=ServerSpec("fedyogi", lr=0.01), paper="Reddi et al. 2021"),
+        Method("fedadagrad", "FedAdagrad: Adagrad on the averaged update at the server", "shared",
+               server=ServerSpec("fedadagrad", lr=0.01), paper="Reddi et al. 2021"),
+        Method("fednova", "FedNova: average of the local updates normalized by each client's step count",
+               "shared", server=ServerSpec("fednova"), paper="Wang et al. 2020"),
     ]
 }
 
 
 def resolve_method(name: str, **overrides) -> Method:
-    """The preset ``name`` with axis values replaced by ``overrides`` (None values are ignored)."""
+    """The preset ``name`` with axis values replaced by ``overrides`` (None values are ignored).
+
+    ``server`` may be a :class:`ServerSpec` or a dict of its fields, which then override the preset's own
+    server fields (``fedadam`` with ``server={"lr": 0.1}`` keeps the rule fedadam)."""
     try:
         base = PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown method {name!r}; choose one of {', '.join(PRESETS)}") from None
     changes = {k: v for k, v in overrides.items() if v is not None}
+    if isinstance(changes.get("server"), dict):
+        changes["server"] = replace(base.server, **changes["server"])
     return replace(base, **changes) if changes else base

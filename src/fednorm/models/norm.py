@@ -8,6 +8,7 @@
 | ``in`` | InstanceNorm2d with affine parameters (convs only)            | zoo extra        |
 | ``none``| Identity, plain convs ("FedAvg w/o BN")                      | FedWon Fig. 3    |
 | ``ws`` | Identity, and every conv is a :class:`WSConv2d`               | FedWon           |
+| ``fbn``| FederatedBatchNorm2d / 1d (:mod:`fednorm.models.fbn`)         | FBN              |
 
 Models take a ``norm`` name and build their layers with :func:`make_norm` and :func:`make_conv`;
 torchvision models, which build their own convs, are converted with
@@ -23,7 +24,8 @@ from torch import nn
 
 from .wsconv import WSConv2d
 
-NORM_KINDS = ("bn", "gn", "ln", "in", "none", "ws")
+NORM_KINDS = ("bn", "gn", "ln", "in", "none", "ws", "fbn")
+BATCHNORM_KINDS = ("bn", "fbn")  # kinds whose layers are _BatchNorm (batch statistics, running stats)
 
 
 def check_norm(kind: str) -> str:
@@ -56,6 +58,10 @@ def make_norm(kind: str, num_features: int, *, spatial: bool = True, groups: int
     check_norm(kind)
     if kind == "bn":
         return nn.BatchNorm2d(num_features) if spatial else nn.BatchNorm1d(num_features)
+    if kind == "fbn":
+        from .fbn import FederatedBatchNorm1d, FederatedBatchNorm2d
+
+        return FederatedBatchNorm2d(num_features) if spatial else FederatedBatchNorm1d(num_features)
     if kind == "gn":
         g = groups or default_groups(num_features)
         while num_features % g:

@@ -20,9 +20,12 @@ _BUILDERS: dict[str, tuple[str, str]] = {
     "resnet18": ("resnet", "resnet18"),          # torchvision ResNet-18 (FedWon, Office / Fed-ISIC2019)
     "resnet20": ("resnet", "resnet20"),          # CIFAR-style ResNet-20 (FedWon Table 13)
     "mobilenet_v2": ("mobilenet", "mobilenet_v2"),  # torchvision MobileNetV2 (FedWon label skew)
+    "fbn_cnn": ("fbn_cnn", "FBNCNN"),            # FBN paper Table 1 (Conv-ReLU-BN), 3 x 32 x 32 (28 for digits)
 }
 MODEL_NAMES = tuple(_BUILDERS)
 _OPTIONAL_DEFAULTS = {"classifier": "fedbn", "width": 1.0}
+# facts about the data that a model may need (the FBN CNN's flatten size); dropped for models without them
+_CONTEXT_OPTIONS = ("image_size",)
 
 
 def model_builder(name: str) -> Callable[..., nn.Module]:
@@ -38,7 +41,9 @@ def build_model(name: str, **options) -> nn.Module:
     accepted = inspect.signature(builder).parameters
     for key in list(options):
         if key not in accepted:
-            if key in _OPTIONAL_DEFAULTS and options[key] == _OPTIONAL_DEFAULTS[key]:
+            if key in _CONTEXT_OPTIONS:
+                del options[key]
+            elif key in _OPTIONAL_DEFAULTS and options[key] == _OPTIONAL_DEFAULTS[key]:
                 del options[key]
             else:
                 raise ValueError(f"model {name!r} has no option {key!r} (it takes {', '.join(accepted)})")

@@ -76,10 +76,12 @@ class ModelConfig(_Strict):
     ws_variance: Literal["unbiased", "biased"] = Field(
         "unbiased", description="WSConv variance: unbiased as FedWon's Listing 1 (torch.var), biased as its Eq. 3")
 
-    def build(self, norm: str | None = None, num_classes: int = 10):
-        """The model, with ``norm`` (a method's own normalization) in place of ``self.norm`` if given."""
+    def build(self, norm: str | None = None, num_classes: int = 10, image_size: int | None = None):
+        """The model, with ``norm`` (a method's own normalization) in place of ``self.norm`` if given;
+        ``image_size`` reaches the models whose layers depend on it (the FBN CNN)."""
+        context = {"image_size": image_size} if image_size else {}
         model = build_model(self.name, num_classes=num_classes, norm=norm or self.norm, classifier=self.classifier,
-                            width=self.width)
+                            width=self.width, **context)
         for module in model.modules():
             if isinstance(module, WSConv2d):
                 module.variance = self.ws_variance

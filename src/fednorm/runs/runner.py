@@ -18,7 +18,7 @@ import yaml
 
 from ..data.datafolder import resolve_data_dir
 from ..data.domain import ClientData, normalize_batch
-from ..data.federation import build_clients, domain_eval_clients, is_rendered, num_classes, pooled_client
+from ..data.federation import build_clients, domain_eval_clients, image_size, is_rendered, num_classes, pooled_client
 from ..methods.local_update import resolve_precision
 from ..engines.simulation import Federation, InProcessEngine, derive_seed
 from . import store
@@ -65,7 +65,8 @@ def build_engine(
     """The engine of one cell; the model's initial weights depend on the seed only."""
     method = method_cfg.build()
     torch.manual_seed(derive_seed(seed, _INIT_STREAM))
-    model = config.model.build(norm=method.norm, num_classes=num_classes(config.data.domains))
+    model = config.model.build(norm=method.norm, num_classes=num_classes(config.data.domains),
+                               image_size=image_size(config.data.domains))
     f = config.federation
     cross_device = f.setting == "cross_device"
     federation = Federation(

@@ -1,0 +1,94 @@
+"""DSGD with Federated BatchNorm: n clients, one step per round, averaging, equals one model stepping on the
+union of their batches with FBN layers (FBN extraction T2), in float64; robust FBN through the engine."""
+
+import pytest
+import torch
+
+from fednorm.data.domain import ClientData, normalize_batch
+from fednorm.engines.simulation import Federation, InProcessEngine
+from fednorm.methods import LocalTraining, resolve_method, train_locally
+from fednorm.methods.server import Threat
+from fednorm.models import DigitCNN
+
+from ..conftest import make_split
+
+DSGD = LocalTraining(steps=1, batch_size=6, lr=0.1, momentum=0.9, momentum_style="ema")
+
+
+def _prepare64(x):
+    return normalize_batch(x).double()
+
+
+def _clients(n=4, size=12, shift=30.0):
+    return [ClientData(f"c{i}", f"d{i}", make_split(size, seed=i, shift=shift * i), make_split(8, seed=50 + i))
+            for i in range(n)]
+
+
+def _engine(method, clients, training=DSGD, norm="fbn", **fed):
+    torch.manual_seed(7)
+    model = DigitCNN(width=0.125, norm=norm).double()
+    federation = Federation(seed=3, channels_last=False, weighting="uniform", persistent_optimizer=True, **fed)
+    return InProcessEngine(model, clients, method, training, federation, _prepare64)
+
+
+def test_dsgd_with_fbn_equals_centralized_fbn_on_the_union_batch():
+    clients = _clients()
+    fed = _engine(resolve_method("fbn"), clients)
+    central = _engine(resolve_method("centralized_bn", norm="fbn"), clients)
+    for _ in range(4):
+        fed.run_round()
+        central.run_round()
+    assert any(k.endswith("running_var") for k in fed.global_state)
+    for key, value in fed.global_state.items():
+        if value.is_floating_point():
+            torch.testing.assert_close(value, central.global_state[key], rtol=1e-9, atol=1e-10, msg=key)
+    # and the statistics really moved away from the (0, 1) start
+    assert float(fed.global_state["features.1.running_var"].sub(1).abs().max()) > 1e-3
+
+
+def test_dsgd_naive_bn_differs_from_centralized_bn():
+    clients = _clients()
+    naive = _engine(resolve_method("naive_bn"), clients, norm="bn")
+    central = _engine(resolve_method("centralized_bn"), clients, norm="bn")
+    naive.run_round()
+    central.run_round()
+    # naive BN averages running variances without the between-client term: smaller than centralized
+    key = "features.1.running_var"
+    assert float(naive.global_state[key].mean()) < float(central.global_state[key].mean())
+
+
+def test_union_batches_need_fixed_steps_and_byzantine_clients_must_exist():
+    clients = _clients()
+    with pytest.raises(ValueError, match="training.steps"):
+        _engine(resolve_method("centralized_bn", norm="fbn"), clients, training=LocalTraining(batch_size=6))
+    with pytest.raises(ValueError, match="Byzantine clients"):
+        _engine(resolve_method("fbn"), clients, threat=Threat("sign_flip", ("c9",)))
+
+
+def test_robust_fbn_under_sign_flip_keeps_statistics_finite_and_near_the_honest_ones():
+    clients = _clients(n=7, shift=0.0)  # similar honest clients: their median is close to their mean
+    threat = Threat("sign_flip", ("c5", "c6"))
+    honest = _engine(resolve_method("fbn"), clients)
+    attacked = _engine(resolve_method("fbn"), clients, threat=threat)
+    defended = _engine(resolve_method("fbn", server={"rule": "median", "robust_f": 2}), clients, threat=threat)
+    for eng in (honest, attacked, defended):
+        eng.run_round()
+        eng.run_round()
+    # SF sends -m_run: averaged, the means shrink and (RV)'s between-client term grows; the median resists
+    stats = [k for k in honest.global_state if ".running_" in k]
+    err = {name: sum(float((e.global_state[k] - honest.global_state[k]).abs().sum()) for k in stats)
+           for name, e in (("attacked", attacked), ("defended", defended))}
+    assert err["defended"] < 0.5 * err["attacked"]
+    assert all(torch.isfinite(v).all() for v in defended.global_state.values() if v.is_floating_point())
+
+
+def test_learning_rate_schedule_reaches_a_persistent_optimizer():
+    cfg = LocalTraining(lr=0.1, lr_decay_every=1000)
+    assert [cfg.lr_at(t) for t in (0, 999, 1000, 2500)] == pytest.approx([0.1, 0.1, 0.05, 0.1 / 3])
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 28 * 28, 10))
+    data = make_split(8, seed=0)
+    _, state = train_locally(model, data, LocalTraining(steps=1, batch_size=4, lr=0.1, momentum=0.9),
+                             generator=torch.Generator(), prepare=normalize_batch)
+    _, state = train_locally(model, data, LocalTraining(steps=1, batch_size=4, lr=0.05, momentum=0.9),
+                             generator=torch.Generator(), prepare=normalize_batch, optimizer_state=state)
+    assert state["param_groups"][0]["lr"] == 0.05

@@ -1,0 +1,175 @@
+"""Server updates: each rule against its formula on hand-sized vectors; robust rules and simulated attacks."""
+
+import math
+
+import pytest
+import torch
+
+from fednorm.methods.aggregation import UpdateError
+from fednorm.methods.robust import coordinate_median, trimmed_mean
+from fednorm.methods.server import (ClientReply, LocalSchedule, ServerSpec, ServerUpdate, Threat, fednova_norm)
+
+D = torch.float64
+
+
+def _run(spec, x, client_values, weights=None, steps=None, threat=Threat(), schedule=LocalSchedule(),
+         server=None, extra=None):
+    """One round over a single parameter 'w' (plus optional extra entries)."""
+    state = {"w": x.clone(), **(extra or {})}
+    server = server or ServerUpdate(spec, state, param_keys={"w"}, schedule=schedule, threat=threat)
+    n = len(client_values)
+    weights = weights or [1 / n] * n
+    steps = steps or [1] * n
+    server.begin(state)
+    for i, (v, p, s) in enumerate(zip(client_values, weights, steps)):
+        server.add(ClientReply(f"c{i}", {"w": v.clone(), **{k: e.clone() for k, e in (extra or {}).items()}}, p, s))
+    return server.finish(), server
+
+
+def test_mean_is_the_weighted_mean():
+    x = torch.zeros(3, dtype=D)
+    values = [torch.tensor([1.0, 2, 3], dtype=D), torch.tensor([3.0, 0, -1], dtype=D)]
+    new, _ = _run(ServerSpec(), x, values, weights=[0.25, 0.75])
+    torch.testing.assert_close(new["w"], 0.25 * values[0] + 0.75 * values[1])
+
+
+def test_fedavgm_momentum_over_two_rounds_and_fedavg_at_beta_zero():
+    spec = ServerSpec("fedavgm", lr=0.5, momentum=0.9)
+    x = torch.tensor([1.0, -1.0], dtype=D)
+    new, server = _run(spec, x, [x + 2, x + 4])  # Delta = 3
+    torch.testing.assert_close(new["w"], x + 0.5 * 3)
+    x1 = new["w"]
+    new2, _ = _run(spec, x1, [x1 - 1, x1 - 1], server=server)  # Delta = -1, v = 0.9 * 3 - 1 = 1.7
+    torch.testing.assert_close(new2["w"], x1 + 0.5 * 1.7)
+    plain, _ = _run(ServerSpec("fedavgm", lr=1.0, momentum=0.0), x, [x + 2, x + 4])
+    torch.testing.assert_close(plain["w"], x + 3)
+
+
+@pytest.mark.parametrize("rule", ["fedadam", "fedyogi", "fedadagrad"])
+def test_adaptive_server_optimizers_follow_reddi_et_al(rule):
+    spec = ServerSpec(rule, lr=0.1, momentum=0.9, beta2=0.99, tau=1e-3)
+    x = torch.tensor([0.5, -0.5], dtype=D)
+    deltas = [torch.tensor([0.2, -0.4], dtype=D), torch.tensor([-0.1, 0.3], dtype=D)]
+    m = torch.zeros(2, dtype=D)
+    v = torch.full((2,), 1e-6, dtype=D)  # tau^2
+    server = None
+    for delta in deltas:
+        new, server = _run(spec, x, [x + delta], weights=[1.0], server=server)
+        m = 0.9 * m + 0.1 * delta
+        if rule == "fedadam":
+            v = 0.99 * v + 0.01 * delta**2
+        elif rule == "fedyogi":
+            v = v - 0.01 * delta**2 * torch.sign(v - delta**2)
+        else:
+            v = v + delta**2
+        x = x + 0.1 * m / (v.sqrt() + 1e-3)
+        torch.testing.assert_close(new["w"], x)
+        x = new["w"]
+
+
+def test_fednova_equals_fedavg_with_equal_steps_and_normalizes_unequal_ones():
+    x = torch.zeros(2, dtype=D)
+    values = [torch.tensor([-4.0, 2.0], dtype=D), torch.tensor([-1.0, 1.0], dtype=D)]
+    equal, _ = _run(ServerSpec("fednova"), x, values, weights=[0.5, 0.5], steps=[3, 3])
+    torch.testing.assert_close(equal["w"], 0.5 * values[0] + 0.5 * values[1])
+    p, tau = [0.4, 0.6], [4, 1]
+    new, _ = _run(ServerSpec("fednova"), x, values, weights=p, steps=tau)
+    tau_eff = sum(pi * ti for pi, ti in zip(p, tau))
+    d = sum(pi * (x - v) / ti for pi, v, ti in zip(p, values, tau))
+    torch.testing.assert_close(new["w"], x - tau_eff * d)
+
+
+def test_fednova_momentum_norm_is_the_displacement_of_sgd_under_a_constant_gradient():
+    rho, lr, tau = 0.9, 0.1, 7
+    w = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=lr, momentum=rho)
+    for _ in range(tau):
+        opt.zero_grad()
+        w.grad = torch.ones(1)
+        opt.step()
+    assert math.isclose(-float(w.detach()) / lr, fednova_norm(tau, LocalSchedule(lr, rho)), rel_tol=1e-5)
+    q = 1 - lr * 0.5
+    assert math.isclose(fednova_norm(tau, LocalSchedule(lr, 0.0, 0.5)), sum(q**k for k in range(tau)), rel_tol=1e-12)
+
+
+def test_robust_rules_of_identical_updates_return_that_update():
+    x = torch.tensor([1.0, 2.0, 3.0], dtype=D)
+    same = [x + torch.tensor([0.5, -1, 2], dtype=D)] * 7
+    for rule in ("median", "trimmed_mean", "krum"):
+        for nnm in (False, True):
+            new, _ = _run(ServerSpec(rule, robust_f=2, nnm=nnm), x, same)
+            torch.testing.assert_close(new["w"], same[0])
+
+
+def test_robust_rules_aggregate_pseudo_gradients():
+    torch.manual_seed(0)
+    x = torch.randn(4, dtype=D)
+    values = [x + torch.randn(4, dtype=D) for _ in range(7)]
+    g = torch.stack([x - v for v in values])
+    med, _ = _run(ServerSpec("median"), x, values)
+    torch.testing.assert_close(med["w"], x - coordinate_median(g))
+    tm, _ = _run(ServerSpec("trimmed_mean", robust_f=2), x, values)
+    torch.testing.assert_close(tm["w"], x - trimmed_mean(g, 2))
+
+
+def test_sign_flip_on_parameters_moves_the_mean_and_not_the_median():
+    x = torch.zeros(3, dtype=D)
+    honest = [torch.tensor([1.0, 1.0, 1.0], dtype=D) * (1 + 0.01 * i) for i in range(7)]
+    values = honest + [torch.full((3,), 99.0, dtype=D)] * 3  # what the attackers trained is discarded
+    threat = Threat("sign_flip", ("c7", "c8", "c9"), targets=("parameters",))
+    mean, _ = _run(ServerSpec(), x, values, threat=threat)
+    h = torch.stack(honest).mean(0)
+    # pseudo-gradients x - x_k: honest -h, attackers +h (sign flip): mean = (7 (-h) + 3 h) / 10
+    torch.testing.assert_close(mean["w"], x - (7 * (x - h) + 3 * (h - x)) / 10)
+    med, _ = _run(ServerSpec("median", robust_f=3), x, values, threat=threat)
+    lo, hi = torch.stack(honest).min(0).values, torch.stack(honest).max(0).values
+    assert ((med["w"] >= lo) & (med["w"] <= hi)).all()
+
+
+def _bn_round(spec, threat, means, vars_, fbn_beta=None, count=50):
+    state = {"bn.running_mean": torch.zeros(2, dtype=D), "bn.running_var": torch.ones(2, dtype=D),
+             "bn.weight": torch.ones(2, dtype=D)}
+    server = ServerUpdate(spec, state, param_keys={"bn.weight"},
+                          fbn_layers={"bn": fbn_beta} if fbn_beta else None, threat=threat)
+    server.begin(state)
+    for i, (m, v) in enumerate(zip(means, vars_)):
+        server.add(ClientReply(f"c{i}", {"bn.running_mean": m, "bn.running_var": v, "bn.weight": torch.ones(2, dtype=D)},
+                               1 / len(means), 1, {"bn": count} if fbn_beta else {}))
+    return server.finish()
+
+
+def test_sign_flip_on_statistics_flips_the_mean_only_and_median_resists():
+    means = [torch.tensor([1.0, 2.0], dtype=D) + 0.1 * i for i in range(10)]
+    vars_ = [torch.tensor([1.0, 3.0], dtype=D)] * 10
+    threat = Threat("sign_flip", ("c7", "c8", "c9"))
+    naive = _bn_round(ServerSpec(), threat, means, vars_)
+    h = torch.stack(means[:7]).mean(0)
+    torch.testing.assert_close(naive["bn.running_mean"], (7 * h - 3 * h) / 10)
+    torch.testing.assert_close(naive["bn.running_var"], torch.tensor([1.0, 3.0], dtype=D))
+    robust = _bn_round(ServerSpec("median", robust_f=3), threat, means, vars_)
+    assert (robust["bn.running_mean"] >= means[0]).all() and (robust["bn.running_mean"] <= means[6]).all()
+    # FBN under attack without defense: the between-client term explodes; with the median it stays small
+    fbn_attacked = _bn_round(ServerSpec(), threat, means, vars_, fbn_beta=0.1)
+    fbn_median = _bn_round(ServerSpec("median", robust_f=3), threat, means, vars_, fbn_beta=0.1)
+    fbn_clean = _bn_round(ServerSpec(), Threat(), means, vars_, fbn_beta=0.1)
+    sent = torch.stack(means[:7] + [-h] * 3)  # what the server receives: SF means, honest variances
+    m = sent.mean(0)
+    kn = 50 * 10
+    between = kn / ((kn - 1) * 0.1) * ((sent - m) ** 2).mean(0)
+    torch.testing.assert_close(fbn_attacked["bn.running_mean"], m)
+    torch.testing.assert_close(fbn_attacked["bn.running_var"], torch.stack(vars_).mean(0) + between)
+    assert (fbn_attacked["bn.running_var"] > 4 * fbn_clean["bn.running_var"]).all()
+    assert (fbn_median["bn.running_var"] < 1.5 * fbn_clean["bn.running_var"]).all()
+
+
+def test_bad_replies_are_refused_with_the_client_named():
+    x = torch.zeros(2, dtype=D)
+    for spec in (ServerSpec(), ServerSpec("median")):
+        with pytest.raises(UpdateError, match="c1"):
+            _run(spec, x, [x, torch.tensor([float("nan"), 0.0], dtype=D)])
+        with pytest.raises(UpdateError, match="c0.*shape"):
+            _run(spec, x, [torch.zeros(3, dtype=D)])
+    with pytest.raises(ValueError, match="server rule"):
+        ServerSpec("fedsomething")
+    with pytest.raises(ValueError, match="attack"):
+        Threat("bit_flip", ("c0",))

@@ -1,0 +1,70 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fednorm.models.fbn_cnn import FBNCNN
+from fednorm.models.wsconv import WSConv2d
+
+
+def layers(module, kind):
+    return [m for m in module.modules() if isinstance(m, kind)]
+
+
+def test_table1_architecture_and_parameter_count():
+    model = FBNCNN()
+    convs = layers(model, nn.Conv2d)
+    assert [(c.in_channels, c.out_channels, c.kernel_size, c.stride, c.padding) for c in convs] == [
+        (3, 64, (3, 3), (1, 1), (1, 1)), (64, 64, (3, 3), (1, 1), (1, 1)),
+        (64, 128, (3, 3), (1, 1), (1, 1)), (128, 128, (3, 3), (1, 1), (1, 1))]
+    assert [b.num_features for b in layers(model, nn.BatchNorm2d)] == [64, 64, 128, 128]
+    assert [(f.in_features, f.out_features) for f in layers(model, nn.Linear)] == [(8192, 128), (128, 10)]
+    assert [d.p for d in layers(model, nn.Dropout)] == [0.25, 0.25]
+    assert len(layers(model, nn.MaxPool2d)) == 2
+    # the extraction's count (Section 5.1): 1,310,922 trainable parameters incl. 768 BN affine ones
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 1_310_922
+    assert sum(p.numel() for b in layers(model, nn.BatchNorm2d) for p in b.parameters()) == 768
+    assert sum(b.running_mean.numel() + b.running_var.numel() for b in layers(model, nn.BatchNorm2d)) == 768
+
+
+def test_conv_relu_bn_order():
+    kinds = [type(m) for m in FBNCNN().features]
+    block = [nn.Conv2d, nn.ReLU, nn.BatchNorm2d]
+    pool = [nn.MaxPool2d, nn.Dropout]
+    assert kinds == block + block + pool + block + block + pool
+
+
+@pytest.mark.parametrize("size, flat", [(32, 128 * 8 * 8), (28, 128 * 7 * 7)])
+def test_output_shapes_and_flatten_size(size, flat):
+    model = FBNCNN(image_size=size).eval()
+    assert layers(model, nn.Linear)[0].in_features == flat
+    assert model(torch.zeros(2, 3, size, size)).shape == (2, 10)
+
+
+def test_width_norms_and_channels():
+    model = FBNCNN(width=0.125, num_classes=7, in_channels=1, image_size=28)
+    assert [c.out_channels for c in layers(model, nn.Conv2d)] == [8, 8, 16, 16]
+    assert model(torch.randn(3, 1, 28, 28)).shape == (3, 7)
+    gn = FBNCNN(norm="gn", width=0.25)
+    assert len(layers(gn, nn.GroupNorm)) == 4 and not layers(gn, nn.BatchNorm2d)
+    assert gn(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    ws = FBNCNN(norm="ws", width=0.25)
+    assert len(layers(ws, WSConv2d)) == 4 and not layers(ws, (nn.BatchNorm2d, nn.GroupNorm))
+    assert not layers(FBNCNN(norm="none", width=0.25), (nn.BatchNorm2d, nn.GroupNorm))
+
+
+def test_logits_with_cross_entropy_equal_paper_logsoftmax_nll():
+    torch.manual_seed(0)
+    model = FBNCNN(width=0.125).eval()
+    x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 3, 9, 1])
+    z = model(x)
+    torch.testing.assert_close(F.cross_entropy(z, y), F.nll_loss(F.log_softmax(z, dim=1), y))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="divisible by 4"):
+        FBNCNN(image_size=30)
+    with pytest.raises(ValueError, match="image_size=28"):
+        FBNCNN(width=0.125)(torch.zeros(1, 3, 28, 28))
+    with pytest.raises(ValueError, match="unknown normalization"):
+        FBNCNN(norm="batch")

@@ -1,0 +1,110 @@
+"""Federated BatchNorm layer: the server's (RM)/(RV) of the clients' layers equal centralized BatchNorm's
+running statistics on the union batch (float64, to 1e-10), step after step; training-mode output uses the
+shared statistics of the previous step, per sample."""
+
+import pytest
+import torch
+from torch import nn
+
+from fednorm.methods.server import ClientReply, ServerSpec, ServerUpdate
+from fednorm.models.fbn import (FederatedBatchNorm1d, FederatedBatchNorm2d, convert_to_federated_bn,
+                                set_federation_size)
+from fednorm.models.norm import make_norm
+
+
+def _round(shared: dict, inputs: list[torch.Tensor], cls, beta: float) -> dict:
+    """One DSGD round of a lone FBN layer: every client starts from ``shared``, forwards its batch, replies."""
+    n = len(inputs)
+    wrapper = nn.Sequential(cls(inputs[0].shape[1], momentum=beta)).double()
+    server = ServerUpdate(ServerSpec(), dict(shared), param_keys={"0.weight", "0.bias"}, fbn_layers={"0": beta})
+    server.begin(shared)
+    for x in inputs:
+        wrapper.load_state_dict(shared)
+        set_federation_size(wrapper, n)
+        wrapper.train()(x)
+        state = {k: v.clone() for k, v in wrapper.state_dict().items()}
+        server.add(ClientReply("c", state, 1 / n, 1, {"0": wrapper[0].last_count}))
+    return server.finish()
+
+
+@pytest.mark.parametrize("cls,shape", [(FederatedBatchNorm2d, (7, 5, 3, 4)), (FederatedBatchNorm1d, (9, 5))])
+def test_server_statistics_equal_centralized_batchnorm_on_the_union_batch(cls, shape):
+    torch.manual_seed(0)
+    beta, n = 0.1, 6
+    central = (nn.BatchNorm2d if cls is FederatedBatchNorm2d else nn.BatchNorm1d)(5, momentum=beta).double().train()
+    shared = {f"0.{k}": v.clone() for k, v in cls(5, momentum=beta).double().state_dict().items()}
+    for step in range(20):
+        # heterogeneous clients: each its own mean and scale
+        inputs = [torch.randn(*shape, dtype=torch.float64) * (1 + i) + 10 * i - step for i in range(n)]
+        shared = _round(shared, inputs, cls, beta)
+        central(torch.cat(inputs))
+        torch.testing.assert_close(shared["0.running_mean"], central.running_mean, rtol=0, atol=1e-10)
+        torch.testing.assert_close(shared["0.running_var"], central.running_var, rtol=1e-12, atol=1e-10)
+
+
+def test_naive_averaging_misses_exactly_the_between_client_term():
+    torch.manual_seed(1)
+    beta, n, k = 0.1, 10, 30
+    inputs = [torch.randn(k, 2, dtype=torch.float64) + 10 * i for i in range(n)]
+    # naive BN: each client's standard BN (K/(K-1)) from (0, 1), averaged
+    naive = []
+    for x in inputs:
+        bn = nn.BatchNorm1d(2, momentum=beta).double().train()
+        bn(x)
+        naive.append(bn.running_var)
+    naive_var = torch.stack(naive).mean(0)
+    central = nn.BatchNorm1d(2, momentum=beta).double().train()
+    central(torch.cat(inputs))
+    means = torch.stack([x.mean(0) for x in inputs])
+    biased = torch.stack([x.var(0, correction=0) for x in inputs])
+    kn = k * n
+    between = beta * kn / (kn - 1) * ((means - means.mean(0)) ** 2).mean(0)
+    # centralized = naive with Kn/(Kn-1) in place of K/(K-1), plus the between-client term
+    within = (1 - beta) + beta * kn / (kn - 1) * biased.mean(0)
+    torch.testing.assert_close(central.running_var, within + between, rtol=1e-12, atol=1e-10)
+    torch.testing.assert_close(naive_var, (1 - beta) + beta * k / (k - 1) * biased.mean(0), rtol=1e-12, atol=1e-12)
+    assert (central.running_var - naive_var > 50).all()  # means 0..90 apart: the term dominates
+
+
+def test_training_output_uses_previous_shared_statistics_per_sample_and_equals_eval():
+    torch.manual_seed(2)
+    layer = FederatedBatchNorm2d(3).double()
+    layer.running_mean.copy_(torch.tensor([1.0, -2.0, 0.5]))
+    layer.running_var.copy_(torch.tensor([4.0, 0.25, 1.0]))
+    layer.weight.data.copy_(torch.tensor([2.0, 1.0, -1.0]))
+    x = torch.randn(6, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+    expected = (x.detach() - layer.running_mean.view(1, 3, 1, 1)) / torch.sqrt(layer.running_var.view(1, 3, 1, 1)
+                                                                               + layer.eps) * layer.weight.view(1, 3, 1, 1)
+    before = layer.running_mean.clone()
+    out = layer.train()(x)
+    torch.testing.assert_close(out.detach(), expected)
+    assert not torch.equal(layer.running_mean, before)  # the batch was folded into the running stats
+    alone = FederatedBatchNorm2d(3).double()
+    alone.load_state_dict({**layer.state_dict(), "running_mean": before,
+                           "running_var": torch.tensor([4.0, 0.25, 1.0], dtype=torch.float64)})
+    torch.testing.assert_close(alone.train()(x[:1]).detach(), expected[:1])  # independent of the other samples
+    out.sum().backward()  # no gradient through statistics: d out / d x = weight / sqrt(v + eps)
+    grad = (layer.weight / torch.sqrt(torch.tensor([4.0, 0.25, 1.0], dtype=torch.float64) + layer.eps)).detach()
+    torch.testing.assert_close(x.grad, grad.view(1, 3, 1, 1).expand_as(x))
+
+
+def test_unbiasing_uses_the_federation_size():
+    x = torch.arange(8, dtype=torch.float64).reshape(4, 2)
+    layer = FederatedBatchNorm1d(2, momentum=1.0).double()
+    set_federation_size(layer, 3)
+    layer.train()(x)
+    kn = 4 * 3
+    torch.testing.assert_close(layer.running_var, x.var(0, correction=0) * kn / (kn - 1))
+    torch.testing.assert_close(layer.running_mean, x.mean(0))
+
+
+def test_converter_and_factory_and_bad_momentum():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2), nn.BatchNorm1d(2))
+    model[1].running_mean.fill_(3.0)
+    convert_to_federated_bn(model)
+    assert isinstance(model[1], FederatedBatchNorm2d) and isinstance(model[4], FederatedBatchNorm1d)
+    assert float(model[1].running_mean[0]) == 3.0
+    assert isinstance(make_norm("fbn", 8), FederatedBatchNorm2d)
+    assert isinstance(make_norm("fbn", 8, spatial=False), FederatedBatchNorm1d)
+    with pytest.raises(ValueError, match="momentum"):
+        FederatedBatchNorm2d(4, momentum=None)
