@@ -51,3 +51,23 @@ def test_dirichlet_skew_grows_as_alpha_shrinks_and_respects_min_size():
     assert all(torch.equal(x, y) for x, y in zip(a, dirichlet_partition(LABELS, 10, 0.5, seed=4)))
     with pytest.raises(ValueError, match="exceed"):
         dirichlet_partition(LABELS, 200, 0.5, min_size=10)
+
+
+def test_label_skew_clients_split_the_training_pool_and_share_the_test_split():
+    from fednorm.data.partition import label_skew_clients
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.arange(500) % 10
+    x = torch.randint(0, 255, (500, 3, 8, 8), generator=g, dtype=torch.uint8)
+    clients = label_skew_clients("d", x, y, scheme="gamma", num_clients=10, gamma=0.0, seed=0)
+    assert [c.name for c in clients] == [f"d-{k}" for k in range(1, 11)]
+    assert sum(c.num_train for c in clients) == 400 and all(len(c.test) == 100 for c in clients)
+    assert all(c.test is clients[0].test for c in clients)
+    # gamma = 0 and ten equal classes: one class per client
+    assert all(len(set(c.train.y.tolist())) == 1 for c in clients)
+    assert sorted(int(c.train.y[0]) for c in clients) == list(range(10))
+    test = clients[0].test
+    external = label_skew_clients("d", x, y, scheme="iid", num_clients=4, test=test)
+    assert sum(c.num_train for c in external) == 500 and external[0].test is test
+    with pytest.raises(ValueError, match="label-skew scheme"):
+        label_skew_clients("d", x, y, scheme="shards", num_clients=2)

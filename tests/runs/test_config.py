@@ -88,3 +88,20 @@ def test_ws_variance_reaches_every_wsconv():
     assert len(convs) == 3 and all(c.variance == "biased" for c in convs)
     assert all(c.variance == "unbiased" for c in load_config().model.build(norm="ws").modules()
                if isinstance(c, WSConv2d))
+
+
+def test_fbn_presets_validate_with_dsgd_settings_and_bad_byzantine_configs_are_refused():
+    cfg = load_config("fbn_mnistm")
+    assert (cfg.training.steps, cfg.training.momentum_style, cfg.training.lr_decay_every) == (1, "ema", 1000)
+    assert [m.build().norm for m in cfg.methods] == ["fbn", "bn", "bn", "bn"]
+    robust = load_config("fbn_robust_mnistm")
+    assert robust.federation.byzantine.count == 3
+    assert {m.build().server.rule for m in robust.methods} == {"mean", "median", "trimmed_mean"}
+    with pytest.raises(ConfigError, match="byzantine"):
+        load_config("fbn_robust_mnistm", ["federation.byzantine.attack=null"])
+    with pytest.raises(ConfigError, match="rule"):
+        load_config("default", ["methods=[{name: fedavg, server: {rule: fedsgd}}]"])
+    with pytest.raises(ConfigError, match="training.steps"):
+        load_config("default", ["methods=[centralized_bn]"])
+    adam = load_config("default", ["methods=[{name: fedadam, server: {lr: 0.1}}]"]).methods[0].build()
+    assert (adam.server.rule, adam.server.lr) == ("fedadam", 0.1)

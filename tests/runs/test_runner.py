@@ -144,3 +144,25 @@ def test_cross_device_run_evaluates_each_domain_once_with_the_global_model(tmp_p
     trained = {x["client"] for x in records if x["split"] == "train" and x["round"] == 1}
     assert len(trained) == 4  # 20 % of 20 clients
     assert {x["client"] for x in records if x["split"] == "test"} == {"rendered/print", "rendered/neon"}
+
+
+def test_label_skew_dsgd_run_with_byzantine_clients_resumes_exactly(tmp_path):
+    overrides = ["data.domains=[rendered/print]", "data.rendered_size=400", "data.pool_size=300",
+                 "data.partition=gamma", "data.gamma=0.5", "data.num_clients=5", "model.name=fbn_cnn",
+                 "model.width=0.125", "training.steps=1", "training.batch_size=8", "training.momentum=0.9",
+                 "training.momentum_style=ema", "training.lr=0.05", "training.precision=fp32",
+                 "federation.rounds=4", "federation.eval_every=2", "federation.persistent_optimizer=true",
+                 "federation.weighting=uniform", "federation.byzantine={count: 1, attack: sign_flip}",
+                 "methods=[fbn, {name: naive_bn, label: naive-median, server: {rule: median}}, centralized_bn]"]
+    cfg = load_config("default", overrides)
+    results = start_run(cfg, tmp_path / "full")
+    clients = {c["name"] for r in results for c in r.summary["clients"]}
+    assert clients == {"rendered/print"}  # stateless methods: the shared test split is evaluated once
+    def progress(label, seed, rnd, rounds, last):
+        if label == "naive-median" and rnd == 3:
+            raise Stop()
+    with pytest.raises(Stop):
+        start_run(cfg, tmp_path / "cut", progress=progress)
+    resumed = resume_run(tmp_path / "cut")
+    for a, b in zip(results, resumed):
+        assert a.summary["mean_final_test_acc"] == b.summary["mean_final_test_acc"]

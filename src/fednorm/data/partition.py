@@ -76,3 +76,57 @@ def gamma_similarity_partition(labels: torch.Tensor, num_clients: int, gamma: fl
     rest = rest[np.argsort(y[rest], kind="stable")]
     parts = [np.concatenate([a, b]) for a, b in zip(np.array_split(iid, num_clients), np.array_split(rest, num_clients))]
     return [torch.from_numpy(np.sort(p).astype(np.int64)) for p in parts]
+
+
+LABEL_SKEW_SCHEMES = ("iid", "gamma", "dirichlet")
+
+
+def label_skew_clients(
+    domain: str,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    scheme: str,
+    num_clients: int,
+    gamma: float = 1.0,
+    alpha: float = 1.0,
+    pool_size: int | None = None,
+    seed: int = 0,
+    origin: str = "real",
+    test=None,
+):
+    """``num_clients`` clients of one domain with label skew (FBN Sec. 4, FedWon Sec. 5).
+
+    The domain's pool is split 80/20 (stratified, ``seed``, as every fednorm domain); the first
+    ``pool_size`` training indices (all when None) are partitioned by ``scheme`` (``iid``, ``gamma``
+    similarity or ``dirichlet`` with ``alpha``); every client is tested on the domain's whole test split
+    (the FBN paper tests on CIFAR-10's test set). With ``test`` (a Split, e.g. CIFAR-10's official test
+    set), the whole pool is training data and ``test`` is every client's test split. Clients are named
+    ``<domain>-<k>``, k from 1.
+    """
+    from .domain import ClientData, Split
+    from .protocol import stratified_split
+
+    if scheme not in LABEL_SKEW_SCHEMES:
+        raise ValueError(f"unknown label-skew scheme {scheme!r}; choose one of {', '.join(LABEL_SKEW_SCHEMES)}")
+    pool = Split(x, y)
+    if test is None:
+        train_idx, test_idx = stratified_split(y, seed=seed)
+    else:
+        train_idx, test_idx = torch.arange(len(y)), None
+    if pool_size is not None:
+        train_idx = train_idx[:pool_size]
+    labels = y[train_idx]
+    if scheme == "iid":
+        parts = iid_partition(labels, num_clients, seed)
+    elif scheme == "gamma":
+        parts = gamma_similarity_partition(labels, num_clients, gamma, seed)
+    else:
+        parts = dirichlet_partition(labels, num_clients, alpha, seed, min_size=min(10, len(labels) // num_clients))
+    test = pool.subset(test_idx) if test is None else test
+    return [
+        ClientData(name=f"{domain}-{k + 1}", domain=domain, train=pool.subset(train_idx[part]), test=test,
+                   origin=origin, meta={"partition": scheme, "gamma": gamma, "alpha": alpha, "client_index": k,
+                                        "classes": torch.bincount(labels[part], minlength=int(y.max()) + 1).tolist()})
+        for k, part in enumerate(parts)
+    ]

@@ -20,6 +20,8 @@ _BUILDERS: dict[str, tuple[str, str]] = {
     "resnet18": ("resnet", "resnet18"),          # torchvision ResNet-18 (FedWon, Office / Fed-ISIC2019)
     "resnet20": ("resnet", "resnet20"),          # CIFAR-style ResNet-20 (FedWon Table 13)
     "mobilenet_v2": ("mobilenet", "mobilenet_v2"),  # torchvision MobileNetV2 (FedWon label skew)
+    "unet": ("unet", "UNet"),                    # HarmoFL U-Net (official code layout), segmentation, side % 16 == 0
+    "densenet121": ("densenet", "densenet121"),  # torchvision DenseNet-121 (HarmoFL Camelyon17, 2 classes, 96 x 96)
     "fbn_cnn": ("fbn_cnn", "FBNCNN"),            # FBN paper Table 1 (Conv-ReLU-BN), 3 x 32 x 32 (28 for digits)
 }
 MODEL_NAMES = tuple(_BUILDERS)

@@ -19,7 +19,9 @@ from ..methods.aggregation import WEIGHTINGS
 from ..methods.local_update import LocalTraining, native_bf16, resolve_precision
 from ..methods.policy import POLICIES
 from ..methods.presets import PRESETS, Method, resolve_method
-from ..models.norm import NORM_KINDS
+from ..methods.robust import ATTACKS
+from ..methods.server import SERVER_RULES
+from ..models.norm import BATCHNORM_KINDS, NORM_KINDS
 from ..models.registry import MODEL_NAMES, build_model
 from ..models.wsconv import WSConv2d
 
@@ -39,9 +41,16 @@ class DataConfig(_Strict):
     )
     percent: float = Field(0.1, gt=0, le=1, description="share of the 7,438-sample pool per client")
     clients_per_domain: int = Field(1, ge=1, le=1000)
-    partition: Literal["fedbn", "even"] = Field(
+    partition: Literal["fedbn", "even", "iid", "gamma", "dirichlet"] = Field(
         "fedbn", description="fedbn: ten partitions, percent of the pool per client (<= 10 clients per domain); "
-        "even: percent of the pool split evenly over clients_per_domain clients (cross-device)")
+        "even: percent of the pool split evenly over clients_per_domain clients (cross-device); "
+        "iid / gamma / dirichlet: label skew, the domain's pool_size training images over num_clients clients "
+        "(FBN's gamma-similarity with gamma, Dirichlet with alpha)")
+    num_clients: int = Field(10, ge=1, le=10000, description="label-skew partitions: clients per domain")
+    gamma: float = Field(1.0, ge=0, le=1, description="gamma-similarity: share of iid data (1 iid, 0 extreme)")
+    alpha: float = Field(1.0, gt=0, description="Dirichlet concentration (small = more skewed)")
+    test_domain: str | None = Field(None, description="label-skew partitions: test every client on this domain's "
+                                    "whole pool (cifar10/test) and train on the whole pool of the domain")
     pool_size: int = Field(7438, ge=10)
     split_seed: int = Field(0, description="seed of the stratified split (fixed across runs, as FedBN)")
     rendered_size: int = Field(9298, ge=20, description="images rendered per rendered domain")
@@ -88,6 +97,18 @@ class ModelConfig(_Strict):
         return model
 
 
+class ServerConfig(_Strict):
+    """Overrides of a method's server update (see :mod:`fednorm.methods.server`); unset keys keep the preset's."""
+
+    rule: Literal[SERVER_RULES] | None = None  # type: ignore[valid-type]
+    lr: float | None = Field(None, gt=0, description="server learning rate (FedAvgM / FedAdam / FedYogi / FedAdagrad)")
+    momentum: float | None = Field(None, ge=0, lt=1, description="FedAvgM beta, or beta1 of the adaptive rules")
+    beta2: float | None = Field(None, ge=0, lt=1)
+    tau: float | None = Field(None, gt=0)
+    nnm: bool | None = Field(None, description="nearest-neighbour mixing before a robust rule")
+    robust_f: int | None = Field(None, ge=0, description="f of trimmed mean / Krum / NNM (default: the Byzantine count)")
+
+
 class MethodConfig(_Strict):
     """A preset by name, optionally with axes overridden (e.g. FedBN + FedProx: name fedbn, prox_mu 0.01)."""
 
@@ -101,6 +122,7 @@ class MethodConfig(_Strict):
     agc_exclude_head: bool | None = None
     freeze_bn_stats_at: float | None = Field(None, gt=0, description="FixBN switch: fraction of rounds (<1) or round")
     lr: float | None = Field(None, gt=0, description="this method's learning rate (the papers tune it per method)")
+    server: ServerConfig | None = Field(None, description="server update overrides (rule, lr, momentum, ...)")
 
     @field_validator("name")
     @classmethod
@@ -125,6 +147,7 @@ class MethodConfig(_Strict):
             self.name, policy=self.policy, prox_mu=self.prox_mu, prox_schedule=self.prox_schedule, norm=self.norm,
             agc_clip=self.agc_clip, agc_exclude_head=self.agc_exclude_head,
             freeze_bn_stats_at=self.freeze_bn_stats_at,
+            server=self.server.model_dump(exclude_none=True) if self.server else None,
         )
 
 
@@ -136,6 +159,9 @@ class TrainingConfig(_Strict):
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     drop_last: bool = False
+    momentum_style: Literal["pytorch", "ema"] = Field(
+        "pytorch", description="ema: buf = mu buf + (1 - mu) g (the Byzantine-ML / FBN client momentum)")
+    lr_decay_every: int | None = Field(None, ge=1, description="lr / (1 + floor(round / lr_decay_every)) (FBN)")
     precision: Literal["fp32", "bf16", "auto"] = Field(
         "fp32", description="auto: bf16 autocast where the CPU has native bf16 (AMX / AVX512-BF16), else fp32")
 
@@ -150,6 +176,20 @@ class TrainingConfig(_Strict):
         return LocalTraining(**values)
 
 
+class ByzantineConfig(_Strict):
+    """Simulated Byzantine clients: the LAST ``count`` clients of the federation send attacks."""
+
+    count: int = Field(0, ge=0, description="f, the number of Byzantine clients")
+    attack: Literal[ATTACKS] | None = None  # type: ignore[valid-type]
+    targets: list[Literal["statistics", "parameters"]] = Field(
+        default_factory=lambda: ["statistics"], min_length=1,
+        description="what the attackers corrupt: BN statistics (the FBN paper's Section 5) and/or parameters")
+    foe_eps: float = Field(0.1, gt=0)
+    alie_z: float | None = None
+    sign_flip_own: bool = Field(False, description="SF on statistics: negate the attacker's own mean (else the "
+                                "honest mean's)")
+
+
 class FederationConfig(_Strict):
     rounds: int = Field(20, ge=1)
     fraction: float = Field(1.0, gt=0, le=1)
@@ -161,6 +201,7 @@ class FederationConfig(_Strict):
     setting: Literal["cross_silo", "cross_device"] = Field(
         "cross_silo", description="cross_device: stateless clients (methods keeping client state are refused), "
         "the global model evaluated once per domain")
+    byzantine: ByzantineConfig = Field(default_factory=ByzantineConfig)
 
 
 class ExperimentConfig(_Strict):
@@ -199,11 +240,14 @@ class ExperimentConfig(_Strict):
                 raise ValueError(
                     f"method {m.display!r} keeps state on each client (policy {method.policy!r}); cross-device "
                     "clients are stateless: use fedavg, fedprox, fedwon, fedavg_gn, fedavg_ln or fixbn")
-            if norm == "bn" and self.training.batch_size == 1:
+            if norm in BATCHNORM_KINDS and self.training.batch_size == 1:
                 raise ValueError(
                     f"method {m.display!r} trains a BatchNorm model, which cannot use batch_size 1; "
                     "use a method without BN (fedwon, fedavg_gn, fedavg_ln) or batch_size >= 2")
-            if method.policy in ("local_bn", "local_bn_stats") and norm != "bn":
+            if method.union_batches and self.training.steps is None:
+                raise ValueError(f"method {m.display!r} steps on the union of the clients' batches of each step: "
+                                 "set training.steps (1 for DSGD)")
+            if method.policy in ("local_bn", "local_bn_stats") and norm not in BATCHNORM_KINDS:
                 raise ValueError(f"method {m.display!r} keeps BatchNorm state local but its model norm is {norm!r}")
         try:
             size = image_size(self.data.domains)
@@ -216,6 +260,9 @@ class ExperimentConfig(_Strict):
         if self.model.name == "alexnet" and size < 63:
             raise ValueError(f"model alexnet needs images of at least 63 x 63 (its third max-pool), the domains "
                              f"are {size} x {size}: use digit_cnn, resnet18, resnet20 or mobilenet_v2")
+        byz = self.federation.byzantine
+        if (byz.count > 0) != (byz.attack is not None):
+            raise ValueError("federation.byzantine needs both a count > 0 and an attack (or neither)")
         if self.federation.setting == "cross_device" and self.federation.persistent_optimizer:
             raise ValueError("persistent_optimizer keeps state on each client; cross-device clients are stateless")
         return self

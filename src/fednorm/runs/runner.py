@@ -18,7 +18,10 @@ import yaml
 
 from ..data.datafolder import resolve_data_dir
 from ..data.domain import ClientData, normalize_batch
-from ..data.federation import build_clients, domain_eval_clients, image_size, is_rendered, num_classes, pooled_client
+from ..data.federation import (build_clients, domain_eval_clients, image_size, is_rendered, load_pool, num_classes,
+                               pooled_client)
+from ..data.partition import LABEL_SKEW_SCHEMES, label_skew_clients
+from ..methods.server import Threat
 from ..methods.local_update import resolve_precision
 from ..engines.simulation import Federation, InProcessEngine, derive_seed
 from . import store
@@ -47,6 +50,19 @@ def _needs_data_folder(config: ExperimentConfig) -> bool:
 
 def build_federation_data(config: ExperimentConfig, data_dir: Path | None) -> list[ClientData]:
     d = config.data
+    if d.partition in LABEL_SKEW_SCHEMES:
+        clients: list[ClientData] = []
+        test = None
+        if d.test_domain:
+            from ..data.domain import Split
+
+            test = Split(*load_pool(d.test_domain, data_dir=data_dir, rendered_size=d.rendered_size, seed=d.split_seed))
+        for domain in d.domains:
+            x, y = load_pool(domain, data_dir=data_dir, rendered_size=d.rendered_size, seed=d.split_seed)
+            clients += label_skew_clients(domain, x, y, scheme=d.partition, num_clients=d.num_clients, gamma=d.gamma,
+                                          alpha=d.alpha, pool_size=d.pool_size, seed=d.split_seed,
+                                          origin="rendered" if is_rendered(domain) else "real", test=test)
+        return clients
     return build_clients(
         d.domains,
         data_dir=data_dir,
@@ -77,6 +93,7 @@ def build_engine(
         channels_last=f.channels_last,
         stateless_clients=cross_device,
         rounds=f.rounds,
+        threat=threat(config, clients),
     )
     train_clients = [pooled_client(clients)] if method.pooled else clients
     training = config.training.build()
@@ -84,13 +101,31 @@ def build_engine(
         training = replace(training, lr=method_cfg.lr)
     return InProcessEngine(
         model, train_clients, method, training, federation, normalize_batch,
-        eval_clients=evaluation_clients(config, clients),
+        eval_clients=evaluation_clients(config, clients, method_cfg),
     )
 
 
-def evaluation_clients(config: ExperimentConfig, clients: list[ClientData]) -> list[ClientData]:
-    """Who is evaluated: every client (cross-silo), or each domain once with the global model (cross-device)."""
-    return domain_eval_clients(clients) if config.federation.setting == "cross_device" else clients
+def threat(config: ExperimentConfig, clients: list[ClientData]) -> Threat:
+    """The simulated Byzantine clients: the last ``count`` clients of the federation."""
+    b = config.federation.byzantine
+    if not b.count:
+        return Threat()
+    if b.count >= len(clients):
+        raise RunError(f"federation.byzantine.count {b.count} leaves no honest client among {len(clients)}")
+    return Threat(b.attack, tuple(c.name for c in clients[-b.count:]), tuple(b.targets), b.foe_eps, b.alie_z,
+                  b.sign_flip_own)
+
+
+def evaluation_clients(config: ExperimentConfig, clients: list[ClientData],
+                       method_cfg: MethodConfig | None = None) -> list[ClientData]:
+    """Who is evaluated: every client (cross-silo), or each domain once with the global model: cross-device,
+    and label-skew federations of a method that keeps nothing on the clients (all hold the same model and
+    share the domain's test split, so per-client numbers would repeat)."""
+    if config.federation.setting == "cross_device":
+        return domain_eval_clients(clients)
+    if config.data.partition in LABEL_SKEW_SCHEMES and method_cfg is not None and not method_cfg.build().stateful_clients:
+        return domain_eval_clients(clients)
+    return clients
 
 
 def run_cell(
@@ -135,7 +170,8 @@ def run_cell(
             store.save_checkpoint(checkpoint_path, engine.state_dict())
         if progress:
             progress(label, seed, r, rounds, last)
-    summary = summarize_cell(store.read_metrics(metrics_path), evaluation_clients(config, clients), label, seed, rounds)
+    summary = summarize_cell(store.read_metrics(metrics_path), evaluation_clients(config, clients, method_cfg), label,
+                             seed, rounds)
     store.write_json(cell / store.SUMMARY_FILE, summary)
     from .plots import plot_cell
 
