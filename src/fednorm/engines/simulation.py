@@ -24,6 +24,7 @@ from ..methods.aggregation import client_weights
 from ..methods.local_update import LocalResult, LocalTraining, batch_schedule, has_batchnorm, train_locally
 from ..methods.policy import local_state_keys
 from ..methods.presets import Method
+from ..methods.client_algorithms import ClientContext
 from ..methods.server import ClientReply, LocalSchedule, ServerUpdate, Threat
 from ..models.fbn import federated_bn_layers, set_federation_size
 
@@ -109,6 +110,11 @@ class InProcessEngine:
             schedule=LocalSchedule(training.lr, training.momentum, method.prox_mu),
             threat=federation.threat,
         )
+        params = {n for n, _ in self.model.named_parameters()}
+        self.shared_params = [k for k in self.shared_keys if k in params]
+        self.algorithm = method.client.build()
+        self.algorithm_server_state = self.algorithm.init_server_state(self.model, self.shared_params)
+        self.algorithm_states: dict[str, dict[str, torch.Tensor]] = {}
         self.local_states: dict[str, dict[str, torch.Tensor]] = {}
         self.optimizer_states: dict[str, dict] = {}
         self.round = 0  # rounds completed
@@ -132,7 +138,8 @@ class InProcessEngine:
             raise ValueError(f"Byzantine clients {sorted(unknown)} are not clients of the federation")
         if federation.stateless_clients and method.stateful_clients:
             raise ValueError(
-                f"method {method.name!r} keeps state on each client between rounds (policy {method.policy!r}), "
+                f"method {method.name!r} keeps state on each client between rounds (policy {method.policy!r}, "
+                f"client algorithm {method.client.name!r}), "
                 "which cross-device clients cannot do: they are sampled anonymously and keep nothing. Use a "
                 "stateless method (fedavg, fedprox, fedwon, fedavg_gn, fedavg_ln, fixbn) or a cross-silo federation"
             )
@@ -178,8 +185,15 @@ class InProcessEngine:
         if self.shared_keys:
             self.server.begin(self.global_state)
         results: dict[str, LocalResult] = {}
+        messages: list[dict[str, torch.Tensor]] = []
         for client, weight in zip(participants, weights):
             self.load_client(client.name)
+            context = ClientContext(
+                client.name, training.lr, self.shared_params,
+                {k: self.global_state[k] for k in self.shared_keys}, self.algorithm_server_state,
+                self.algorithm_states.setdefault(client.name, {}) if self.algorithm.stateful else {},
+                data=client.train, prepare=self.prepare,
+            )
             set_federation_size(self.model, len(participants))
             for layer in self.fbn_layers.values():
                 layer.last_count = 0
@@ -196,7 +210,10 @@ class InProcessEngine:
                 agc_clip=self.method.agc_clip,
                 agc_exclude_head=self.method.agc_exclude_head,
                 freeze_bn_stats=freeze,
+                algorithm=self.algorithm,
+                context=context,
             )
+            messages.append(context.scratch.get("message", {}))
             if self.federation.persistent_optimizer:
                 self.optimizer_states[client.name] = optimizer_state
             state = self.model.state_dict()
@@ -212,6 +229,8 @@ class InProcessEngine:
             results[client.name] = result
         if self.shared_keys:
             self.global_state.update(self.server.finish())
+        self.algorithm_server_state = self.algorithm.update_server_state(
+            self.algorithm_server_state, messages, len(self.clients))
         self.round += 1
         return results
 
@@ -286,6 +305,8 @@ class InProcessEngine:
             "optimizer_states": self.optimizer_states,
             "local_keys": sorted(self.local_keys),
             "server": self.server.state_dict(),
+            "algorithm_server_state": self.algorithm_server_state,
+            "algorithm_states": self.algorithm_states,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -302,3 +323,5 @@ class InProcessEngine:
         self.local_states = state["local_states"]
         self.optimizer_states = state["optimizer_states"]
         self.server.load_state_dict(state.get("server", {}))
+        self.algorithm_server_state = state.get("algorithm_server_state", self.algorithm_server_state)
+        self.algorithm_states = state.get("algorithm_states", {})

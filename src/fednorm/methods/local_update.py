@@ -29,6 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..data.domain import Split
 from .agc import agc_parameters, clip_unitwise_
+from .client_algorithms import ClientAlgorithm, ClientContext
 
 
 PRECISIONS = ("fp32", "bf16")
@@ -163,6 +164,8 @@ def train_locally(
     agc_exclude_head: bool = True,
     freeze_bn_stats: bool = False,
     schedule: list[torch.Tensor] | None = None,
+    algorithm: "ClientAlgorithm | None" = None,
+    context: "ClientContext | None" = None,
 ) -> tuple[LocalResult, dict]:
     """Train ``model`` in place on ``data``; return the loss statistics and the optimizer state.
 
@@ -173,7 +176,9 @@ def train_locally(
     after the proximal gradient is added, just before the optimizer step. ``freeze_bn_stats`` puts
     every BatchNorm layer in eval mode (FixBN's second phase): it normalizes with its running
     statistics and does not update them, while its weight and bias still train. ``schedule`` replaces the
-    drawn mini-batches by given index tensors (the union batches of centralized BN).
+    drawn mini-batches by given index tensors (the union batches of centralized BN). ``algorithm`` with its
+    ``context`` adds a client algorithm's hooks (:mod:`fednorm.methods.client_algorithms`); its message to
+    the server is left in ``context.scratch["message"]``.
     """
     model.train()
     if freeze_bn_stats:
@@ -199,12 +204,18 @@ def train_locally(
         schedule = batch_schedule(len(data), cfg, generator, guard_single=has_batchnorm(model) and not freeze_bn_stats)
     # every pass has the same number of batches, so epoch e starts at step e * per_epoch
     per_epoch = len(schedule) // cfg.epochs if cfg.steps is None else len(schedule)
+    if algorithm is not None:
+        algorithm.on_start(context, model)
     for step, index in enumerate(schedule):
         x = prepare(data.x[index])
         y = data.y[index]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
             logits = model(x)
         loss = F.cross_entropy(logits.float(), y)
+        if algorithm is not None:
+            extra = algorithm.loss_term(context, model, x, y, logits)
+            if extra is not None:
+                loss = loss + extra
         value = float(loss.detach())
         if not math.isfinite(value):
             raise FloatingPointError(
@@ -219,9 +230,13 @@ def train_locally(
                 for p, ref in prox:
                     if p.grad is not None:
                         p.grad.add_(p.detach() - ref, alpha=prox_mu)
+        if algorithm is not None:
+            algorithm.on_gradients(context, model)
         if clipped:
             clip_unitwise_(clipped, agc_clip)
         optimizer.step()
         loss_sum += value * len(index)
         seen += len(index)
+    if algorithm is not None:
+        context.scratch["message"] = algorithm.on_end(context, model, len(schedule))
     return LocalResult(loss_sum, seen, len(schedule)), optimizer.state_dict()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from ..models.norm import check_norm
 from .policy import check_policy
+from .client_algorithms import ClientSpec
 from .server import ServerSpec
 
 PROX_SCHEDULES = ("paper", "fedbn_code")
@@ -31,6 +32,7 @@ class Method:
     # mini-batches of that step (batch n * b), so it sees exactly the batches the federated methods see
     union_batches: bool = False
     server: ServerSpec = ServerSpec()  # the server update (FedAvg's weighted mean by default)
+    client: ClientSpec = ClientSpec()  # the client algorithm on top of local SGD (SCAFFOLD, MOON, ...)
     # the model normalization the method needs (FedWon: "ws", FedAvg+GN: "gn"); None = the config's model.norm
     norm: str | None = None
     # adaptive gradient clipping threshold lambda (FedWon: 0.64 digits, 1.28 Office/DomainNet); 0 = off
@@ -70,7 +72,7 @@ class Method:
     @property
     def stateful_clients(self) -> bool:
         """True when clients must keep state between rounds (so they cannot be anonymous devices)."""
-        return self.policy != "shared"
+        return self.policy != "shared" or self.client.build().stateful
 
 
 PRESETS: dict[str, Method] = {
@@ -114,6 +116,8 @@ PRESETS: dict[str, Method] = {
                server=ServerSpec("fedyogi", lr=0.01), paper="Reddi et al. 2021"),
         Method("fedadagrad", "FedAdagrad: Adagrad on the averaged update at the server", "shared",
                server=ServerSpec("fedadagrad", lr=0.01), paper="Reddi et al. 2021"),
+        Method("scaffold", "SCAFFOLD: local steps corrected by the control variates c - c_i (option II)", "shared",
+               client=ClientSpec("scaffold"), paper="Karimireddy et al. 2020"),
         Method("fednova", "FedNova: average of the local updates normalized by each client's step count",
                "shared", server=ServerSpec("fednova"), paper="Wang et al. 2020"),
     ]
@@ -132,4 +136,6 @@ def resolve_method(name: str, **overrides) -> Method:
     changes = {k: v for k, v in overrides.items() if v is not None}
     if isinstance(changes.get("server"), dict):
         changes["server"] = replace(base.server, **changes["server"])
+    if isinstance(changes.get("client"), dict):
+        changes["client"] = replace(base.client, **changes["client"])
     return replace(base, **changes) if changes else base

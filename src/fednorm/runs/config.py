@@ -123,6 +123,8 @@ class MethodConfig(_Strict):
     freeze_bn_stats_at: float | None = Field(None, gt=0, description="FixBN switch: fraction of rounds (<1) or round")
     lr: float | None = Field(None, gt=0, description="this method's learning rate (the papers tune it per method)")
     server: ServerConfig | None = Field(None, description="server update overrides (rule, lr, momentum, ...)")
+    client: dict[str, Any] | None = Field(None, description="client algorithm overrides (name, scaffold_option, ...; "
+                                          "the fields of fednorm.methods.client_algorithms.ClientSpec)")
 
     @field_validator("name")
     @classmethod
@@ -138,6 +140,20 @@ class MethodConfig(_Strict):
             raise ValueError(f"unknown policy {value!r}; choose one of {', '.join(POLICIES)}")
         return value
 
+    @model_validator(mode="after")
+    def _client_fields(self) -> "MethodConfig":
+        if self.client:
+            from dataclasses import fields
+
+            from ..methods.client_algorithms import ClientSpec
+
+            known = {f.name for f in fields(ClientSpec)}
+            unknown = sorted(set(self.client) - known)
+            if unknown:
+                raise ValueError(f"client: unknown keys {unknown}; known: {', '.join(sorted(known))}")
+            self.build()  # the ClientSpec checks the values
+        return self
+
     @property
     def display(self) -> str:
         return self.label or self.name
@@ -148,6 +164,7 @@ class MethodConfig(_Strict):
             agc_clip=self.agc_clip, agc_exclude_head=self.agc_exclude_head,
             freeze_bn_stats_at=self.freeze_bn_stats_at,
             server=self.server.model_dump(exclude_none=True) if self.server else None,
+            client=self.client,
         )
 
 

@@ -1,0 +1,100 @@
+"""Client algorithms through the engine: SCAFFOLD's control variates (Karimireddy et al. 2020, Alg. 1)."""
+
+import copy
+
+import pytest
+import torch
+
+from fednorm.data.domain import normalize_batch
+from fednorm.engines.simulation import Federation, InProcessEngine, derive_seed
+from fednorm.methods import LocalTraining, resolve_method, train_locally
+from fednorm.methods.client_algorithms import ClientContext
+from fednorm.models import DigitCNN
+
+TRAIN = LocalTraining(batch_size=8, lr=0.05)
+
+
+def engine(clients, method, **fed):
+    torch.manual_seed(5)
+    return InProcessEngine(DigitCNN(width=0.125), clients, method, TRAIN,
+                           Federation(seed=1, channels_last=False, **fed), normalize_batch)
+
+
+def test_scaffold_round_zero_is_fedavg_and_sets_control_variates_by_option_two(tiny_clients):
+    avg = engine(tiny_clients, resolve_method("fedavg"))
+    sc = engine(tiny_clients, resolve_method("scaffold"))
+    x = {k: v.clone() for k, v in sc.global_state.items()}
+    results = sc.run_round()
+    avg.run_round()
+    for k in sc.global_state:  # c = c_i = 0: no correction in the first round
+        torch.testing.assert_close(sc.global_state[k], avg.global_state[k])
+    # option II: c_i = (x - y_i) / (K lr); c = (|S|/N) mean_i c_i with |S| = N
+    expected_c = {}
+    for c in tiny_clients:
+        model = copy.deepcopy(sc.model)
+        model.load_state_dict(x)
+        seed = derive_seed(1, 0, sc._index[c.name], 2)
+        torch.manual_seed(seed)
+        train_locally(model, c.train, TRAIN, generator=torch.Generator().manual_seed(seed), prepare=normalize_batch)
+        y = dict(model.named_parameters())
+        steps = results[c.name].num_steps
+        for k in sc.shared_params:
+            ci = (x[k] - y[k].detach()) / (steps * TRAIN.lr)
+            torch.testing.assert_close(sc.algorithm_states[c.name][f"c_i.{k}"], ci, rtol=1e-4, atol=1e-6)
+            expected_c[k] = expected_c.get(k, 0) + ci / len(tiny_clients)
+    for k in sc.shared_params:
+        torch.testing.assert_close(sc.algorithm_server_state[f"c.{k}"], expected_c[k], rtol=1e-4, atol=1e-6)
+
+
+def test_scaffold_corrects_every_local_gradient_by_c_minus_c_i(tiny_clients):
+    sc = engine(tiny_clients, resolve_method("scaffold"))
+    sc.run_round()
+    client = tiny_clients[1]
+    correction = {k: sc.algorithm_server_state[f"c.{k}"] - sc.algorithm_states[client.name][f"c_i.{k}"]
+                  for k in sc.shared_params}
+    model = copy.deepcopy(sc.model)
+    model.load_state_dict(sc.global_state)
+    # by hand: SGD whose gradients get the correction added (through a hook on each parameter)
+    params = dict(model.named_parameters())
+    handles = [params[k].register_hook(lambda g, c=correction[k]: g + c) for k in sc.shared_params]
+    seed = derive_seed(1, 1, sc._index[client.name], 2)
+    torch.manual_seed(seed)
+    train_locally(model, client.train, TRAIN, generator=torch.Generator().manual_seed(seed), prepare=normalize_batch)
+    for h in handles:
+        h.remove()
+    # the same client step through the algorithm's hooks
+    sc.load_client(client.name)
+    ctx = ClientContext(client.name, TRAIN.lr, sc.shared_params, {k: sc.global_state[k] for k in sc.shared_keys},
+                        sc.algorithm_server_state, copy.deepcopy(sc.algorithm_states[client.name]))
+    torch.manual_seed(seed)
+    train_locally(sc.model, client.train, TRAIN, generator=torch.Generator().manual_seed(seed),
+                  prepare=normalize_batch, algorithm=sc.algorithm, context=ctx)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(sc.model.state_dict()[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_scaffold_with_client_specific_bn_has_no_control_variate_for_bn(tiny_clients):
+    sc = engine(tiny_clients, resolve_method("scaffold", policy="local_bn"))
+    sc.run_round()
+    keys = {k[2:] for k in sc.algorithm_server_state}
+    assert keys == set(sc.shared_params) and not any(k in sc.local_keys for k in keys)
+    assert all(k in keys for k in ("features.0.weight", "classifier.0.weight"))
+
+
+def test_scaffold_option_one_uses_the_full_gradient_at_the_global_model(tiny_clients):
+    sc = engine(tiny_clients[:1], resolve_method("scaffold", client={"scaffold_option": "I"}))
+    x = {k: v.clone() for k, v in sc.global_state.items()}
+    sc.run_round()
+    model = copy.deepcopy(sc.model)
+    model.load_state_dict(x)
+    model.eval()
+    data = tiny_clients[0].train
+    loss = torch.nn.functional.cross_entropy(model(normalize_batch(data.x)), data.y)
+    loss.backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(sc.algorithm_states["c0"][f"c_i.{k}"], p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_stateful_client_algorithms_are_refused_cross_device(tiny_clients):
+    with pytest.raises(ValueError, match="scaffold"):
+        engine(tiny_clients, resolve_method("scaffold"), stateless_clients=True)
