@@ -91,3 +91,33 @@ def test_data_verify_flags_a_corrupt_file_and_list_shows_presence(tmp_path):
     (folder / "digits/usps.npz").write_bytes(b"corrupt")
     bad = runner.invoke(app, ["data", "verify", "--data-dir", str(folder)])
     assert bad.exit_code == 1 and "BAD" in bad.output
+
+
+def test_data_show_prints_counts_and_writes_a_grid(tmp_path):
+    png = tmp_path / "print.png"
+    result = runner.invoke(app, ["data", "show", "rendered/print", "--out", str(png), "--per-class", "2"])
+    assert result.exit_code == 0, result.output
+    assert "7438" in result.output and "1860" in result.output and str(png) in result.output.replace("\n", "")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    bad = runner.invoke(app, ["data", "show", "corrupt/rain/1/mnist"])
+    assert bad.exit_code == 2 and "unknown corruption" in bad.output
+    missing = runner.invoke(app, ["data", "show", "office_caltech10/dslr", "--data-dir", str(tmp_path)])
+    assert missing.exit_code == 2 and "fednorm data prepare office_caltech10" in missing.output.replace("\n", "")
+
+
+def test_data_list_shows_the_object_and_corrupted_domains(tmp_path):
+    listed = runner.invoke(app, ["data", "list", "--data-dir", str(tmp_path)])
+    assert listed.exit_code == 0
+    for name in ("office_caltech10/amazon", "domainnet/quickdraw", "cifar10/test", "corrupt/<corruption>"):
+        assert name in listed.output
+
+
+def test_data_prepare_object_options(tmp_path):
+    result = runner.invoke(app, ["data", "prepare", "svhn", "--size", "32", "--data-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "--size and --domains" in result.output
+    result = runner.invoke(app, ["data", "prepare", "office_caltech10", "--domains", "dslr,nowhere", "--no-download",
+                                 "--data-dir", str(tmp_path), "--quiet"])
+    assert result.exit_code == 2 and "nowhere" in result.output
+    result = runner.invoke(app, ["data", "prepare", "domainnet", "--domains", "real", "--no-download",
+                                 "--data-dir", str(tmp_path), "--quiet"])
+    assert result.exit_code == 2 and "real.zip" in result.output.replace("\n", "")

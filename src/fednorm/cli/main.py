@@ -162,21 +162,22 @@ def data_list(
 ) -> None:
     """The domains fednorm knows, the file each reads, and whether it is in the data folder."""
     from ..data.datafolder import resolve_data_dir
-    from ..data.digits import REAL_DIGIT_DOMAINS
-    from ..data.federation import PACS_PREFIX, RENDERED_PREFIX, known_domains
-    from ..data.pacs import PACS_FILE
+    from ..data.federation import domain_file, known_domains
 
     folder = resolve_data_dir(data_dir)
     t = Table(title=f"domains (data folder {folder})")
     for head in ("domain", "file", "here"):
         t.add_column(head)
     for domain in known_domains():
-        if domain.startswith(RENDERED_PREFIX):
+        rel = domain_file(domain)
+        if rel is None:
             t.add_row(domain, "(rendered in memory)", "yes")
             continue
-        rel = PACS_FILE if domain.startswith(PACS_PREFIX) else REAL_DIGIT_DOMAINS[domain]
         t.add_row(domain, rel, "yes" if (folder / rel).is_file() else "no")
+    t.add_row("corrupt/<corruption>/<severity>/<domain>", "(generated from the domain, cached)", "-")
     console.print(t)
+    console.print("office_caltech10/<d>@<size>, domainnet/<d>@<size>: another prepared size (default 64); "
+                  "docs/datasets.md lists every name", highlight=False, soft_wrap=True)
 
 
 @data_app.command("verify")
@@ -199,30 +200,77 @@ def data_verify(
 
 @data_app.command("prepare")
 def data_prepare(
-    dataset: str = typer.Argument(..., help="svhn, synthdigits or cifar10"),
+    dataset: str = typer.Argument(..., help="svhn, synthdigits, cifar10, office_caltech10 or domainnet"),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder (else FEDNORM_DATA, else the user cache)"),
     raw_dir: Optional[str] = typer.Option(None, "--raw-dir", help="folder of the official files (default DATA_DIR/raw/DATASET)"),
     fedbn_dir: Optional[str] = typer.Option(None, "--fedbn-dir", help="svhn/synthdigits: read med-air/FedBN's partition files"),
+    size: Optional[int] = typer.Option(None, "--size", help="office_caltech10/domainnet: image side (default 64; papers 256)"),
+    domains: Optional[str] = typer.Option(None, "--domains", help="office_caltech10/domainnet: comma-separated domains (default all)"),
     no_download: bool = typer.Option(False, "--no-download", help="never download; use the files in --raw-dir"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
 ) -> None:
     """Download (resumable, checksummed) and convert a dataset into the data folder's npz format."""
     from ..data.datafolder import resolve_data_dir
-    from ..data.prepare import PREPARERS, prepare_fedbn_digits
+    from ..data.prepare import OBJECT_PREPARERS, PREPARERS, prepare_fedbn_digits
 
     if dataset not in PREPARERS:
         _fail(ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(PREPARERS)}"))
+    if (size is not None or domains is not None) and dataset not in OBJECT_PREPARERS:
+        _fail(ValueError(f"--size and --domains apply to {' and '.join(OBJECT_PREPARERS)} only"))
     try:
         folder = resolve_data_dir(data_dir)
         if fedbn_dir is not None:
-            if dataset == "cifar10":
+            if dataset not in ("svhn", "synthdigits"):
                 _fail(ValueError("--fedbn-dir applies to svhn and synthdigits only"))
             path = prepare_fedbn_digits(dataset, folder, Path(fedbn_dir))
+        elif dataset in OBJECT_PREPARERS:
+            extra = {"domains": [d.strip() for d in domains.split(",") if d.strip()] if domains else None}
+            if size is not None:
+                extra["size"] = size
+            path = PREPARERS[dataset](folder, raw_dir=raw_dir, download=not no_download, progress=not quiet, **extra)
         else:
             path = PREPARERS[dataset](folder, raw_dir=raw_dir, download=not no_download, progress=not quiet)
-    except DataError as exc:
+    except (DataError, ValueError) as exc:
         _fail(exc)
-    console.print(f"wrote {path} and its manifest entry", highlight=False)
+    for p in path if isinstance(path, list) else [path]:
+        console.print(f"wrote {p} and its manifest entry", highlight=False)
+
+
+@data_app.command("show")
+def data_show(
+    domain: str = typer.Argument(..., help="a domain name, e.g. mnistm, pacs/photo, corrupt/fog/3/mnistm"),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder (else FEDNORM_DATA, else the user cache)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="PNG file of the sample grid (default <domain>.png here)"),
+    per_class: int = typer.Option(8, "--per-class", min=1, max=32, help="images per class in the grid"),
+    seed: int = typer.Option(0, "--seed", help="split, rendering and corruption seed (data.split_seed of a run)"),
+) -> None:
+    """Image counts per split and class of a domain, and a PNG grid of sample images."""
+    from ..data.datafolder import resolve_data_dir
+    from ..data.federation import is_rendered
+    from ..data.show import sample_grid, view_domain
+
+    try:
+        folder = None if is_rendered(domain) else resolve_data_dir(data_dir)
+        view = view_domain(domain, data_dir=folder, seed=seed)
+        png = sample_grid(view, out or Path(domain.replace("/", "_").replace("@", "_") + ".png"),
+                          per_class=per_class, seed=seed)
+    except (DataError, ValueError) as exc:
+        _fail(exc)
+    counts = view.counts
+    t = Table(title=domain)
+    t.add_column("class")
+    for name in counts:
+        t.add_column(name, justify="right")
+    t.add_column("total", justify="right")
+    for label, cls in enumerate(view.classes):
+        row = [counts[name][label] for name in counts]
+        t.add_row(f"{label} {cls}", *map(str, row), str(sum(row)))
+    totals = [sum(c) for c in counts.values()]
+    t.add_row("all", *map(str, totals), str(sum(totals)), style="bold")
+    console.print(t)
+    console.print(f"{view.spec.image_size} x {view.spec.image_size} images, origin {view.spec.origin}; {view.note}",
+                  style="italic", highlight=False, soft_wrap=True)
+    console.print(f"sample grid: {png}", highlight=False)
 
 
 if __name__ == "__main__":

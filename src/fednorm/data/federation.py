@@ -1,81 +1,254 @@
-"""Build a federation's clients from domain names: real digit files or rendered styles.
+"""Build a federation's clients from domain names: real files, rendered styles, corrupted copies.
 
-Domain names: ``mnist``, ``mnistm``, ``usps``, ``semeion``, ``svhn``, ``synthdigits`` (real, read
-from the data folder; the last two written there by ``python -m fednorm.data.prepare``), and
-``rendered/<style>`` (procedurally rendered, built in memory, no file needed). Every domain goes
-through the same FedBN digits protocol (:mod:`fednorm.data.protocol`): stratified 80/20 split,
-training pool of 7,438, ten partitions, ``percent`` of the pool per client.
+Domain names (``docs/datasets.md`` has the full table):
+
+* ``mnist``, ``mnistm``, ``usps``, ``semeion``, ``svhn``, ``synthdigits``: real digits from the
+  data folder (the last two written there by ``fednorm data prepare``);
+* ``rendered/<style>``: procedurally rendered digits, built in memory, no file needed;
+* ``pacs/<domain>``: PACS at 64 x 64 from the data folder;
+* ``office_caltech10/<domain>`` and ``domainnet/<domain>`` (``@<size>`` appended for a size other
+  than 64, e.g. ``office_caltech10/amazon@256``): FedBN's object benchmarks, written by
+  ``fednorm data prepare office_caltech10|domainnet``;
+* ``cifar10/train``, ``cifar10/test``: one official CIFAR-10 split as a pool (``cifar10/test`` is
+  what CIFAR-10-C corrupts);
+* ``corrupt/<corruption>/<severity>/<base domain>``: a base domain corrupted with one of the 15
+  ImageNet-C corruptions (:mod:`fednorm.data.corrupt`).
+
+Domains without an official split (digits, rendered, PACS, CIFAR-10 pools) go through the FedBN
+digits protocol (:mod:`fednorm.data.protocol`): stratified 80/20 split, training pool of 7,438,
+ten partitions, ``percent`` of the pool per client. Office-Caltech10 and DomainNet keep FedBN's
+train/test lists and go through its object protocol (:func:`fedbn_object_clients`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .domain import ClientData, DataError, Split
-from .protocol import even_domain_clients, fedbn_domain_clients
+from .protocol import even_domain_clients, fedbn_domain_clients, fedbn_object_clients
 
 PARTITIONS = ("fedbn", "even")
 
 RENDERED_PREFIX = "rendered/"
 PACS_PREFIX = "pacs/"
+OFFICE_PREFIX = "office_caltech10/"
+DOMAINNET_PREFIX = "domainnet/"
+CIFAR10_PREFIX = "cifar10/"
+CORRUPT_PREFIX = "corrupt/"
+CIFAR10_SPLITS = ("train", "test")
 # Rendered pools default to USPS's size (7,291 + 2,007 = 9,298), so the 80/20 split gives exactly
 # the FedBN training pool of 7,438 and a test set of 1,860.
 DEFAULT_RENDERED_SIZE = 9298
 
 
+@dataclass(frozen=True)
+class DomainSpec:
+    """What a domain name means: its benchmark (label space), image size and how it is split.
+
+    ``benchmark`` names the label space (digits, pacs, office_caltech10, domainnet, cifar10);
+    domains of different benchmarks cannot share a model. ``official_split``: the domain has fixed
+    train/test lists (FedBN's object protocol), else it is one pool re-split by the digits protocol.
+    """
+
+    name: str
+    benchmark: str
+    num_classes: int
+    image_size: int
+    origin: str  # "real" or "rendered"
+    official_split: bool = False
+    file: str | None = None  # the data-folder file it reads (None: generated)
+    base: "DomainSpec | None" = None  # corrupted domains: the domain they corrupt
+    corruption: str | None = None
+    severity: int | None = None
+
+
+def parse_domain(name: str) -> DomainSpec:
+    """The :class:`DomainSpec` of a domain name; ValueError naming the valid choices otherwise."""
+    from .cifar10 import CIFAR10_CLASSES, CIFAR10_FILE
+    from .digits import REAL_DIGIT_DOMAINS
+    from .objects import DEFAULT_SIZE, OBJECT_DATASETS, check_size
+    from .pacs import PACS_CLASSES, PACS_DOMAINS, PACS_FILE, PACS_SIZE
+    from .rendered import RENDER_STYLES
+
+    if not isinstance(name, str):
+        raise ValueError(f"a domain name must be a string, got {name!r}")
+    if name.startswith(CORRUPT_PREFIX):
+        from .corrupt import parse_corrupt_name
+
+        corruption, severity, base_name = parse_corrupt_name(name)
+        base = parse_domain(base_name)
+        return DomainSpec(name, base.benchmark, base.num_classes, base.image_size, base.origin, base.official_split,
+                          None, base, corruption, severity)
+    if name in REAL_DIGIT_DOMAINS:
+        return DomainSpec(name, "digits", 10, 28, "real", file=REAL_DIGIT_DOMAINS[name])
+    if name.startswith(RENDERED_PREFIX) and name[len(RENDERED_PREFIX):] in RENDER_STYLES:
+        return DomainSpec(name, "digits", 10, 28, "rendered")
+    if name.startswith(PACS_PREFIX) and name[len(PACS_PREFIX):] in PACS_DOMAINS:
+        return DomainSpec(name, "pacs", len(PACS_CLASSES), PACS_SIZE, "real", file=PACS_FILE)
+    if name.startswith(CIFAR10_PREFIX) and name[len(CIFAR10_PREFIX):] in CIFAR10_SPLITS:
+        return DomainSpec(name, "cifar10", len(CIFAR10_CLASSES), 32, "real", file=CIFAR10_FILE)
+    dataset, _, rest = name.partition("/")
+    if dataset in OBJECT_DATASETS and rest:
+        ds = OBJECT_DATASETS[dataset]
+        domain, at, size_text = rest.partition("@")
+        if domain in ds.domains:
+            size = DEFAULT_SIZE
+            if at:
+                if not size_text.isdigit():
+                    raise ValueError(f"{name!r}: the size after '@' must be an integer, e.g. {dataset}/{domain}@256")
+                size = check_size(int(size_text))
+            return DomainSpec(name, dataset, len(ds.classes), size, "real", official_split=True,
+                              file=ds.file(domain, size))
+    raise ValueError(f"unknown domain {name!r}; choose from {', '.join(known_domains())}, "
+                     f"<dataset>/<domain>@<size> for office_caltech10 and domainnet, or "
+                     f"corrupt/<corruption>/<severity>/<domain>")
+
+
 def is_rendered(domain: str) -> bool:
+    """True when the domain needs no data folder (rendered digits, or a corrupted copy of them)."""
+    if domain.startswith(CORRUPT_PREFIX):
+        try:
+            spec = parse_domain(domain)
+        except ValueError:
+            return False
+        while spec.base is not None:
+            spec = spec.base
+        return spec.name.startswith(RENDERED_PREFIX)
     return domain.startswith(RENDERED_PREFIX)
 
 
 def known_domains() -> list[str]:
+    """Every concrete domain name (object benchmarks at the default size). Corrupted domains are
+    formed from these: ``corrupt/<corruption>/<severity>/<domain>``."""
     from .digits import REAL_DIGIT_DOMAINS
+    from .objects import OBJECT_DATASETS
     from .pacs import PACS_DOMAINS
     from .rendered import RENDER_STYLES
 
     return (list(REAL_DIGIT_DOMAINS) + [RENDERED_PREFIX + s for s in RENDER_STYLES]
-            + [PACS_PREFIX + d for d in PACS_DOMAINS])
+            + [PACS_PREFIX + d for d in PACS_DOMAINS]
+            + [f"{ds.name}/{d}" for ds in OBJECT_DATASETS.values() for d in ds.domains]
+            + [CIFAR10_PREFIX + s for s in CIFAR10_SPLITS])
+
+
+def domain_file(domain: str) -> str | None:
+    """The data-folder file a domain reads (its base's, for a corrupted domain); None if generated."""
+    spec = parse_domain(domain)
+    while spec.base is not None:
+        spec = spec.base
+    return spec.file
+
+
+def class_names(domain: str) -> tuple[str, ...]:
+    """The label names of a domain, in label order."""
+    from .cifar10 import CIFAR10_CLASSES
+    from .objects import OBJECT_DATASETS
+    from .pacs import PACS_CLASSES
+
+    benchmark = parse_domain(domain).benchmark
+    if benchmark == "pacs":
+        return PACS_CLASSES
+    if benchmark == "cifar10":
+        return CIFAR10_CLASSES
+    if benchmark in OBJECT_DATASETS:
+        return OBJECT_DATASETS[benchmark].classes
+    return tuple(str(d) for d in range(10))
 
 
 def num_classes(domains: list[str]) -> int:
-    """The label count shared by ``domains`` (digits 10, PACS 7); mixing benchmarks is an error."""
-    from .pacs import PACS_CLASSES
-
-    counts = {len(PACS_CLASSES) if d.startswith(PACS_PREFIX) else 10 for d in domains}
-    if len(counts) != 1:
-        raise ValueError(f"domains {domains} mix benchmarks with different classes (digits and PACS)")
-    return counts.pop()
+    """The label count shared by ``domains``; mixing benchmarks (label spaces) is an error."""
+    specs = [parse_domain(d) for d in domains]
+    benchmarks = sorted({s.benchmark for s in specs})
+    if len(benchmarks) != 1:
+        raise ValueError(f"domains {domains} mix benchmarks with different classes ({', '.join(benchmarks)})")
+    return specs[0].num_classes
 
 
 def image_size(domains: list[str]) -> int:
-    """Side of the images of ``domains``: 28 for digits, 64 for PACS."""
-    sizes = {64 if d.startswith(PACS_PREFIX) else 28 for d in domains}
+    """Side of the images of ``domains``: 28 digits, 32 CIFAR-10, 64 PACS, 64 (or @size) objects."""
+    sizes = {parse_domain(d).image_size for d in domains}
     if len(sizes) != 1:
-        raise ValueError(f"domains {domains} mix image sizes (digits are 28 x 28, PACS 64 x 64)")
+        raise ValueError(f"domains {domains} mix image sizes ({', '.join(f'{s} x {s}' for s in sorted(sizes))})")
     return sizes.pop()
 
 
 def check_domain(domain: str) -> str:
-    if domain not in known_domains():
-        raise ValueError(f"unknown domain {domain!r}; choose from {', '.join(known_domains())}")
+    parse_domain(domain)
     return domain
 
 
-def load_pool(domain: str, *, data_dir: Path | None, rendered_size: int = DEFAULT_RENDERED_SIZE, seed: int = 0):
-    """All images and labels of one domain, uint8 N x 3 x H x W (digits 28 x 28, PACS 64 x 64)."""
-    check_domain(domain)
-    if is_rendered(domain):
+@dataclass(frozen=True)
+class LoadedDomain:
+    """A domain's images: one ``pool`` (re-split by the digits protocol) or official ``train``/``test``."""
+
+    spec: DomainSpec
+    pool: Split | None = None
+    train: Split | None = None
+    test: Split | None = None
+
+    def parts(self) -> list[Split]:
+        return [self.pool] if self.pool is not None else [self.train, self.test]
+
+    def all(self) -> Split:
+        """Every image: the pool, or the train list followed by the test list."""
+        parts = self.parts()
+        return parts[0] if len(parts) == 1 else Split.concat(parts)
+
+
+def load_domain(domain: str, *, data_dir: Path | None, rendered_size: int = DEFAULT_RENDERED_SIZE, seed: int = 0,
+                cache: bool = True, progress: bool = False) -> LoadedDomain:
+    """The images of one domain (uint8 N x 3 x H x W). ``seed`` seeds rendering and corruption;
+    ``cache``/``progress`` apply to corrupted domains (:func:`fednorm.data.corrupt.corrupt_pool`)."""
+    spec = parse_domain(domain)
+    if spec.base is not None:
+        from .corrupt import corrupt_pool
+
+        base = load_domain(spec.base.name, data_dir=data_dir, rendered_size=rendered_size, seed=seed, cache=cache,
+                           progress=progress)
+        whole = base.all()
+        x = corrupt_pool(whole.x, spec.corruption, spec.severity, seed=seed, base=spec.base.name, cache=cache,
+                         progress=progress)
+        if base.pool is not None:
+            return LoadedDomain(spec, pool=Split(x, whole.y))
+        n = len(base.train)
+        return LoadedDomain(spec, train=Split(x[:n], base.train.y), test=Split(x[n:], base.test.y))
+    if spec.origin == "rendered":
         from .rendered import rendered_domain
 
-        return rendered_domain(domain[len(RENDERED_PREFIX):], n=rendered_size, seed=seed)
+        x, y = rendered_domain(domain[len(RENDERED_PREFIX):], n=rendered_size, seed=seed)
+        return LoadedDomain(spec, pool=Split(x, y))
     if data_dir is None:
         raise DataError(f"domain {domain!r} needs a data folder: pass --data-dir DIR or set FEDNORM_DATA")
-    if domain.startswith(PACS_PREFIX):
+    data_dir = Path(data_dir)
+    if spec.benchmark == "pacs":
         from .pacs import load_pacs_pool
 
-        return load_pacs_pool(domain[len(PACS_PREFIX):], Path(data_dir))
+        return LoadedDomain(spec, pool=Split(*load_pacs_pool(domain[len(PACS_PREFIX):], data_dir)))
+    if spec.benchmark == "cifar10":
+        from .cifar10 import load_cifar10
+
+        x_tr, y_tr, x_te, y_te = load_cifar10(data_dir)
+        pool = Split(x_tr, y_tr) if domain.endswith("/train") else Split(x_te, y_te)
+        return LoadedDomain(spec, pool=pool)
+    if spec.official_split:
+        from .objects import load_object_domain
+
+        train, test = load_object_domain(spec.benchmark, domain.split("/", 1)[1].partition("@")[0], data_dir,
+                                         spec.image_size)
+        return LoadedDomain(spec, train=train, test=test)
     from .digits import load_digit_pool
 
-    return load_digit_pool(domain, Path(data_dir))
+    return LoadedDomain(spec, pool=Split(*load_digit_pool(domain, data_dir)))
+
+
+def load_pool(domain: str, *, data_dir: Path | None, rendered_size: int = DEFAULT_RENDERED_SIZE,
+              seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """All images and labels of one domain, uint8 N x 3 x H x W (an official split: train then test)."""
+    whole = load_domain(domain, data_dir=data_dir, rendered_size=rendered_size, seed=seed).all()
+    return whole.x, whole.y
 
 
 def build_clients(
@@ -94,6 +267,11 @@ def build_clients(
     ``partition``: ``fedbn`` (FedBN's ten partitions, ``percent`` of the pool per client, at most ten
     clients per domain) or ``even`` (``percent`` of the pool split evenly over any number of clients
     per domain: FedWon's cross-device federations of 100 and 1,000 clients).
+
+    Office-Caltech10 / DomainNet domains (and corrupted copies of them) use FedBN's object protocol:
+    their pool is the first ``train_fraction`` of the smallest train list among the federation's
+    domains of the same benchmark (62 / 105 samples with every domain, as the official code), so
+    ``pool_size`` does not apply to them and ``percent=1`` is the papers' setting.
     """
     if partition not in PARTITIONS:
         raise ValueError(f"unknown partition {partition!r}; choose one of {', '.join(PARTITIONS)}")
@@ -101,19 +279,35 @@ def build_clients(
         raise ValueError("a federation needs at least one domain")
     if len(set(domains)) != len(domains):
         raise ValueError(f"domains must be distinct, got {domains}")
+    from .objects import OBJECT_DATASETS
+
+    loaded = [load_domain(d, data_dir=data_dir, rendered_size=rendered_size, seed=split_seed) for d in domains]
+    # The official prepare_data takes the smallest train list over its federation's domains.
+    min_train: dict[str, int] = {}
+    for item in loaded:
+        if item.spec.official_split:
+            b = item.spec.benchmark
+            min_train[b] = min(min_train.get(b, len(item.train)), len(item.train))
     clients: list[ClientData] = []
-    for domain in domains:
-        x, y = load_pool(domain, data_dir=data_dir, rendered_size=rendered_size, seed=split_seed)
+    for domain, item in zip(domains, loaded):
+        if item.spec.official_split:
+            ds = OBJECT_DATASETS[item.spec.benchmark]
+            clients += fedbn_object_clients(
+                domain, item.train, item.test, min_train_len=min_train[item.spec.benchmark],
+                train_fraction=ds.train_fraction, val_fraction=ds.val_fraction, percent=percent,
+                clients_per_domain=clients_per_domain, partition=partition, origin=item.spec.origin,
+            )
+            continue
         split = fedbn_domain_clients if partition == "fedbn" else even_domain_clients
         clients += split(
             domain,
-            x,
-            y,
+            item.pool.x,
+            item.pool.y,
             percent=percent,
             clients_per_domain=clients_per_domain,
             pool_size=pool_size,
             seed=split_seed,
-            origin="rendered" if is_rendered(domain) else "real",
+            origin=item.spec.origin,
         )
     return clients
 

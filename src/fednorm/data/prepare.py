@@ -9,12 +9,16 @@ it like any other file:
 * SVHN (Netzer et al. 2011) ``train_32x32.mat`` / ``test_32x32.mat`` -> ``digits/svhn.npz``;
 * SynthDigits (SynNumbers, Ganin & Lempitsky 2015) ``synth_{train,test}_32x32.mat`` ->
   ``digits/synthdigits.npz``; or the FedBN authors' preprocessed partitions (both digit sets);
-* CIFAR-10 (Krizhevsky 2009) ``cifar-10-python.tar.gz`` -> ``cifar10/cifar10.npz``.
+* CIFAR-10 (Krizhevsky 2009) ``cifar-10-python.tar.gz`` -> ``cifar10/cifar10.npz``;
+* Office-Caltech10 (FedBN's ``office_caltech_10_dataset.zip``: images + train/test lists, or an
+  extracted image folder) -> ``office_caltech10/<domain>_<size>.npz``;
+* DomainNet top-10 classes (the official per-domain zips + FedBN's ``domainnet_dataset.zip``
+  lists) -> ``domainnet/<domain>_<size>.npz`` (see :mod:`fednorm.data.objects`).
 
 The conversions follow med-air/FedBN ``utils/data_preprocess.py`` (``process_svhn``,
 ``process_synth``): ``X`` (32, 32, 3, N) -> (N, 32, 32, 3), SVHN label 10 -> 0. The official
 train/test files are stored as ``x_train``/``x_test``; the digit loaders pool them and re-split
-80/20 like FedBN. Command line: ``fednorm data prepare {svhn,synthdigits,cifar10}``.
+80/20 like FedBN. Command line: ``fednorm data prepare {svhn,synthdigits,cifar10,office_caltech10,domainnet}``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import json
 import os
 import pickle
 import tarfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +38,7 @@ from .cifar10 import CIFAR10_CLASSES, CIFAR10_FILE
 from .datafolder import MANIFEST_NAME, resolve_data_dir
 from .digits import REAL_DIGIT_DOMAINS
 from .domain import DataError
+from .objects import DEFAULT_SIZE, DOMAINNET, OFFICE_CALTECH10, ObjectDataset, RawImages, check_size
 from .download import download as _download
 from .download import sha256_of, verify_file
 
@@ -373,7 +379,193 @@ def prepare_cifar10(data_dir: Path, *, raw_dir: Path | None = None, download: bo
                               source=_describe(src, archive))
 
 
+# --- Office-Caltech10 and DomainNet (image lists) --------------------------------------------------
+
+# The FedBN authors' archives, from the Hugging Face mirror their README links (the Google Drive
+# originals need a confirmation step urllib cannot do). No digest is published: none is checked,
+# and the sha256 of the archive used is written into the manifest's source instead.
+FEDBN_MIRROR = "https://huggingface.co/datasets/Jemary/FedBN_Dataset/resolve/main/"
+OFFICE_SOURCES: dict[str, RawFile] = {
+    "archive": RawFile(FEDBN_MIRROR + "office_caltech_10_dataset.zip", "office_caltech_10_dataset.zip"),
+}
+# The official DomainNet zips (Peng et al. 2019), with the URLs FedBN's README gives: the cleaned
+# ("groundtruth") versions of clipart and painting. FedBN's split lists are a separate archive.
+_VISDA = "http://csr.bu.edu/ftp/visda/2019/multi-source/"
+DOMAINNET_SOURCES: dict[str, RawFile] = {
+    "lists": RawFile(FEDBN_MIRROR + "domainnet_dataset.zip", "domainnet_dataset.zip"),
+    "clipart": RawFile(_VISDA + "groundtruth/clipart.zip", "clipart.zip"),
+    "infograph": RawFile(_VISDA + "infograph.zip", "infograph.zip"),
+    "painting": RawFile(_VISDA + "groundtruth/painting.zip", "painting.zip"),
+    "quickdraw": RawFile(_VISDA + "quickdraw.zip", "quickdraw.zip"),
+    "real": RawFile(_VISDA + "real.zip", "real.zip"),
+    "sketch": RawFile(_VISDA + "sketch.zip", "sketch.zip"),
+}
+# Split of a domain whose FedBN lists are not available: stratified 80/20 with this seed.
+OWN_SPLIT_SEED = 0
+
+
+def _check_domains(ds: ObjectDataset, domains) -> list[str]:
+    if domains is None:
+        return list(ds.domains)
+    domains = [domains] if isinstance(domains, str) else list(domains)
+    bad = [d for d in domains if d not in ds.domains]
+    if bad or not domains:
+        raise DataError(f"unknown {ds.title} domain(s) {bad or domains}; choose from {', '.join(ds.domains)}")
+    return domains
+
+
+def _sha_note(path: Path) -> str:
+    return f"{path.name} sha256 {sha256_of(path)}"
+
+
+def _image_progress(progress: bool, total: int, label: str):
+    if not progress:
+        return None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    bar.start()
+    bar.add_task(label, total=total)
+    return bar
+
+
+def _convert(raw: RawImages, keys: list, size: int, progress: bool, label: str) -> np.ndarray:
+    out = np.empty((len(keys), size, size, 3), dtype=np.uint8)
+    bar = _image_progress(progress, len(keys), label)
+    try:
+        for i, key in enumerate(keys):
+            out[i] = raw.read_image(key, size)
+            if bar is not None and (i % 50 == 49 or i == len(keys) - 1):
+                bar.update(bar.task_ids[0], completed=i + 1)
+    finally:
+        if bar is not None:
+            bar.stop()
+    return out
+
+
+def _domain_split(ds: ObjectDataset, raw: RawImages, domain: str, fetch_hint: str):
+    """``{"train": (keys, labels), "test": ...}`` of a domain and a description of the split used."""
+    names = (f"{domain}_train.pkl", f"{domain}_test.pkl")
+    if all(n in raw.lists for n in names):
+        split, where = {}, []
+        for part, name in zip(("train", "test"), names):
+            keys, labels, origin = raw.read_list(name, ds.classes)
+            missing = [k for k in keys if k not in raw.images]
+            if missing:
+                raise DataError(
+                    f"{len(missing)} image(s) of the FedBN list {origin} are not in {raw.root}, e.g. "
+                    f"{'/'.join(missing[0])}. {fetch_hint}")
+            split[part] = (keys, labels)
+            where.append(origin)
+        return split, f"FedBN's train/test lists ({', '.join(where)})"
+    keys = raw.domain_keys(domain, ds.classes)
+    if not keys:
+        raise DataError(f"No {ds.title} image of domain {domain!r} (<{domain}>/<class>/<image>) is in {raw.root}. "
+                        + fetch_hint)
+    from .protocol import stratified_split
+    import torch
+
+    labels = np.array([ds.classes.index(k[1]) for k in keys], dtype=np.uint8)
+    try:
+        train_idx, test_idx = stratified_split(torch.from_numpy(labels.astype(np.int64)), 0.2, OWN_SPLIT_SEED)
+    except ValueError as exc:
+        raise DataError(f"Cannot split the {len(keys)} images of {ds.title} {domain!r} 80/20 by class ({exc}); "
+                        "the domain needs more images per class.") from exc
+    warnings.warn(f"{ds.title} {domain}: FedBN's lists {names[0]} / {names[1]} were not found in {raw.root}; "
+                  f"using a stratified 80/20 split (seed {OWN_SPLIT_SEED}) of the image folder instead",
+                  stacklevel=3)
+    split = {"train": ([keys[i] for i in train_idx.tolist()], labels[train_idx.numpy()]),
+             "test": ([keys[i] for i in test_idx.tolist()], labels[test_idx.numpy()])}
+    return split, (f"image-folder layout <domain>/<class>/<image>, stratified 80/20 split with seed "
+                   f"{OWN_SPLIT_SEED} (FedBN's lists not found)")
+
+
+def _write_object_domain(ds: ObjectDataset, data_dir: Path, raw: RawImages, domain: str, size: int,
+                         progress: bool, fetch_hint: str, archives: str) -> Path:
+    split, how = _domain_split(ds, raw, domain, fetch_hint)
+    arrays: dict[str, np.ndarray] = {}
+    for part in ("train", "test"):
+        keys, labels = split[part]
+        arrays[f"x_{part}"] = _convert(raw, keys, size, progress, f"{ds.name} {domain} {part}")
+        arrays[f"y_{part}"] = labels
+    arrays["classes"] = np.array(ds.classes)
+    source = (f"{ds.title} {domain}: {how}; images from {archives or raw.root}; converted as FedBN "
+              f"(three-band images as RGB, others Grayscale(3)), PIL bilinear resize to {size}x{size}")
+    return write_dataset_file(data_dir, ds.file(domain, size), arrays, key=f"{ds.name}_{domain}_{size}",
+                              source=source)
+
+
+def prepare_office_caltech10(data_dir: Path, *, raw_dir: Path | None = None, download: bool = True,
+                             progress: bool = True, size: int = DEFAULT_SIZE, domains=None) -> list[Path]:
+    """Write ``office_caltech10/<domain>_<size>.npz`` for each domain; returns their paths.
+
+    Reads ``raw_dir`` (default ``data_dir/raw/office_caltech10``): FedBN's
+    ``office_caltech_10_dataset.zip`` (images and ``{domain}_train.pkl`` / ``_test.pkl`` lists,
+    read inside the zip) and/or an extracted copy or the official image folders
+    ``<domain>/<class>/<image>``. The zip is downloaded (resumable) when the folder lacks a
+    domain's images or lists and downloading is allowed. A domain without FedBN's lists is split
+    80/20 by class with seed 0 (a warning says so and the manifest records it).
+    """
+    ds = OFFICE_CALTECH10
+    size = check_size(size)
+    wanted = _check_domains(ds, domains)
+    data_dir = Path(data_dir)
+    raw_dir = Path(raw_dir) if raw_dir is not None else data_dir / "raw" / ds.name
+    src = OFFICE_SOURCES["archive"]
+    hint = (f"Download {src.url} (FedBN's Office-Caltech10 archive) into {raw_dir}, or put the official "
+            f"image folders <domain>/<class>/<image> there.")
+
+    def complete(raw: RawImages) -> bool:
+        return all(raw.domain_keys(d, ds.classes) and f"{d}_train.pkl" in raw.lists for d in wanted)
+
+    archive = raw_dir / src.filename
+    raw = RawImages(raw_dir)
+    if archive.is_file() or (download and not complete(raw)):
+        raw.close()
+        archive = _fetch(src, raw_dir, download=download, progress=progress, hint=hint)
+        raw = RawImages(raw_dir)
+    with raw:
+        note = _sha_note(archive) if archive.is_file() else ""
+        return [_write_object_domain(ds, data_dir, raw, d, size, progress, hint, note) for d in wanted]
+
+
+def prepare_domainnet(data_dir: Path, *, raw_dir: Path | None = None, download: bool = True,
+                      progress: bool = True, size: int = DEFAULT_SIZE, domains=None) -> list[Path]:
+    """Write ``domainnet/<domain>_<size>.npz`` (FedBN's ten classes) for each domain; returns the paths.
+
+    Reads ``raw_dir`` (default ``data_dir/raw/domainnet``): the official per-domain zips
+    (``clipart.zip`` ...; only the ten classes' images are read, inside the zip) or extracted
+    folders, and FedBN's split lists (``domainnet_dataset.zip`` or its ``{domain}_train.pkl`` /
+    ``_test.pkl``). Missing zips are downloaded (resumable) when allowed: the official zips are
+    large (about 0.4 to 6 GB each), so ``domains`` can restrict the work.
+    """
+    ds = DOMAINNET
+    size = check_size(size)
+    wanted = _check_domains(ds, domains)
+    data_dir = Path(data_dir)
+    raw_dir = Path(raw_dir) if raw_dir is not None else data_dir / "raw" / ds.name
+    lists = DOMAINNET_SOURCES["lists"]
+    with RawImages(raw_dir) as raw:
+        need_images = [d for d in wanted if not raw.domain_keys(d, ds.classes)]
+        need_lists = any(f"{d}_train.pkl" not in raw.lists for d in wanted)
+    fetched = []
+    for d in need_images:
+        src = DOMAINNET_SOURCES[d]
+        hint = f"Download {src.url} (official DomainNet {d}) into {{raw_dir}}, or allow downloading."
+        fetched.append(_fetch(src, raw_dir, download=download, progress=progress, hint=hint))
+    if need_lists and (download or (raw_dir / lists.filename).is_file()):
+        fetched.append(_fetch(lists, raw_dir, download=download, progress=progress, hint=""))
+    hint = (f"Put the official DomainNet zips ({_VISDA}...) and FedBN's {lists.filename} ({lists.url}) "
+            f"into {raw_dir}, or allow downloading.")
+    with RawImages(raw_dir) as raw:
+        note = "; ".join(_sha_note(p) for p in fetched)
+        return [_write_object_domain(ds, data_dir, raw, d, size, progress, hint, note) for d in wanted]
+
+
 # --- command line ----------------------------------------------------------------------------------
 
 
-PREPARERS = {"svhn": prepare_svhn, "synthdigits": prepare_synthdigits, "cifar10": prepare_cifar10}
+PREPARERS = {"svhn": prepare_svhn, "synthdigits": prepare_synthdigits, "cifar10": prepare_cifar10,
+             "office_caltech10": prepare_office_caltech10, "domainnet": prepare_domainnet}
+# Preparers that write one file per domain and take size= and domains=.
+OBJECT_PREPARERS = ("office_caltech10", "domainnet")

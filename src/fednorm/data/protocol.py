@@ -98,37 +98,20 @@ def _partitions_per_client(percent: float) -> int:
     return k
 
 
-def fedbn_domain_clients(
-    domain: str,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    *,
-    percent: float = 0.1,
-    clients_per_domain: int = 1,
-    pool_size: int = FEDBN_POOL_SIZE,
-    seed: int = 0,
-    origin: str = "real",
-) -> list[ClientData]:
-    """The clients of one domain under the FedBN digits protocol (see the module docstring).
-
-    ``x``/``y`` is the domain's whole image pool (uint8 N x C x H x W, labels N). It is split
-    80/20 (stratified, ``seed``); the first ``pool_size`` training indices form the training pool
-    (all of them, noted in ``meta``, if the split is smaller), cut into 10 partitions. Each client
-    gets ``percent`` of the training pool at its own offset and the whole test split.
-    """
+def _check_percent_and_clients(domain: str, percent: float, clients_per_domain: int, pool: str) -> int:
+    """Validate ``percent`` / ``clients_per_domain`` of the FedBN protocol; whole partitions per
+    client (0 = a fraction of one partition, for ``percent < 0.1``)."""
     if isinstance(percent, bool) or not isinstance(percent, numbers.Real):
         raise TypeError(f"percent must be a number, got {percent!r}")
     if not 0.0 < percent <= 1.0:
         raise ValueError(
-            f"percent is the fraction of the {pool_size}-sample training pool each client gets; "
+            f"percent is the fraction of the {pool} training pool each client gets; "
             f"it must be in (0, 1], got {percent}"
         )
     if isinstance(clients_per_domain, bool) or not isinstance(clients_per_domain, int):
         raise TypeError(f"clients_per_domain must be an int, got {clients_per_domain!r}")
     if clients_per_domain < 1:
         raise ValueError(f"clients_per_domain must be >= 1, got {clients_per_domain}")
-    if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
-        raise ValueError(f"pool_size must be a positive int, got {pool_size!r}")
 
     if percent >= 0.1:
         per_client = _partitions_per_client(percent)
@@ -147,6 +130,51 @@ def fedbn_domain_clients(
                 f"{domain!r} can have at most {FEDBN_NUM_PARTITIONS} clients, "
                 f"got clients_per_domain={clients_per_domain}"
             )
+    return per_client
+
+
+def _client_range(domain: str, j: int, per_client: int, bounds: list[tuple[int, int]],
+                  percent: float) -> tuple[list[int], int, int]:
+    """Partitions and ``[start, stop)`` in the training pool of client ``j`` (see the module docstring)."""
+    if per_client:
+        parts = list(range(j * per_client, (j + 1) * per_client))
+        start, stop = bounds[parts[0]][0], bounds[parts[-1]][1]
+    else:
+        parts = [j]
+        start, part_stop = bounds[j]
+        # Same expression and evaluation order as the official DigitsDataset:
+        # int(len(part) * percent * 10); e.g. 743 * 0.05 * 10 -> 371.
+        stop = start + int((part_stop - start) * percent * 10)
+    if stop <= start:
+        raise ValueError(
+            f"domain {domain!r}: client {j + 1} would get no training sample (partition of "
+            f"{bounds[j][1] - bounds[j][0]} samples x {percent:g} x 10 < 1); use a larger "
+            f"percent or a larger pool"
+        )
+    return parts, start, stop
+
+
+def fedbn_domain_clients(
+    domain: str,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    percent: float = 0.1,
+    clients_per_domain: int = 1,
+    pool_size: int = FEDBN_POOL_SIZE,
+    seed: int = 0,
+    origin: str = "real",
+) -> list[ClientData]:
+    """The clients of one domain under the FedBN digits protocol (see the module docstring).
+
+    ``x``/``y`` is the domain's whole image pool (uint8 N x C x H x W, labels N). It is split
+    80/20 (stratified, ``seed``); the first ``pool_size`` training indices form the training pool
+    (all of them, noted in ``meta``, if the split is smaller), cut into 10 partitions. Each client
+    gets ``percent`` of the training pool at its own offset and the whole test split.
+    """
+    per_client = _check_percent_and_clients(domain, percent, clients_per_domain, f"{pool_size}-sample")
+    if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
+        raise ValueError(f"pool_size must be a positive int, got {pool_size!r}")
 
     pool = Split(x, y)  # validates dtype and shapes
     train_idx, test_idx = stratified_split(pool.y, FEDBN_TEST_FRACTION, seed)
@@ -182,21 +210,7 @@ def fedbn_domain_clients(
 
     clients = []
     for j in range(clients_per_domain):
-        if per_client:
-            parts = list(range(j * per_client, (j + 1) * per_client))
-            start, stop = bounds[parts[0]][0], bounds[parts[-1]][1]
-        else:
-            parts = [j]
-            start, part_stop = bounds[j]
-            # Same expression and evaluation order as the official DigitsDataset:
-            # int(len(part) * percent * 10); e.g. 743 * 0.05 * 10 -> 371.
-            stop = start + int((part_stop - start) * percent * 10)
-        if stop <= start:
-            raise ValueError(
-                f"domain {domain!r}: client {j + 1} would get no training sample (partition of "
-                f"{bounds[j][1] - bounds[j][0]} samples x {percent:g} x 10 < 1); use a larger "
-                f"percent or a larger pool"
-            )
+        parts, start, stop = _client_range(domain, j, per_client, bounds, percent)
         name = domain if clients_per_domain == 1 else f"{domain}-{j + 1}"
         meta = dict(
             base_meta,
@@ -263,5 +277,89 @@ def even_domain_clients(
             origin=origin,
             meta={"protocol": "even", "percent": percent, "split_seed": seed, "client_index": j,
                   "train_pool_range": (start, stop), "num_train": stop - start},
+        ))
+    return clients
+
+
+def fedbn_object_clients(
+    domain: str,
+    train: Split,
+    test: Split,
+    *,
+    min_train_len: int,
+    train_fraction: float,
+    val_fraction: float,
+    percent: float = 1.0,
+    clients_per_domain: int = 1,
+    partition: str = "fedbn",
+    origin: str = "real",
+) -> list[ClientData]:
+    """The clients of one Office-Caltech10 / DomainNet domain under FedBN's object protocol.
+
+    The official ``prepare_data`` (med-air/FedBN ``federated/fed_office.py``, ``fed_domainnet.py``)
+    keeps each domain's fixed train and test lists and, with ``m`` the smallest train list of the
+    federation, trains on the first ``int(train_fraction * m)`` samples of the train list (the
+    "training pool": 62 on Office-Caltech10, 105 on DomainNet), validates on its last
+    ``int(val_fraction * m)`` samples and tests on the whole test list. ``train`` is expected in
+    the list's order (it is shuffled already), so no seed is involved.
+
+    On top of that pool ``percent`` and ``clients_per_domain`` work as in the digits protocol:
+    ``partition="fedbn"`` cuts the pool into ten partitions and gives each client ``percent`` of it
+    (``percent=1`` with one client per domain is the official setting; the default 0.1 of the
+    digits is a tenth of it), ``partition="even"`` splits ``percent`` of the pool evenly over the
+    clients. Every client of a domain shares the validation and test splits.
+    """
+    if partition not in ("fedbn", "even"):
+        raise ValueError(f"unknown partition {partition!r}; choose fedbn or even")
+    if not isinstance(min_train_len, int) or min_train_len < 1:
+        raise ValueError(f"min_train_len must be a positive int, got {min_train_len!r}")
+    if min_train_len > len(train):
+        raise ValueError(f"domain {domain!r}: min_train_len {min_train_len} exceeds its {len(train)} training samples")
+    n_train = int(min_train_len * train_fraction)
+    n_val = int(min_train_len * val_fraction)
+    label = "FedBN's object protocol"
+    if n_train < 1:
+        raise ValueError(f"domain {domain!r}: {label} trains on int({train_fraction:g} x {min_train_len}) = 0 "
+                         "samples; the smallest training list of the federation is too short")
+    pool = train.subset(torch.arange(n_train))
+    val = train.subset(torch.arange(len(train) - n_val, len(train))) if n_val else None
+    base_meta = {
+        "protocol": "fedbn-objects",
+        "partition": partition,
+        "percent": percent,
+        "train_list_len": len(train),
+        "min_train_len": min_train_len,
+        "train_pool_len": n_train,
+        "val_len": n_val,
+        "test_len": len(test),
+        "clients_per_domain": clients_per_domain,
+    }
+    if n_train + n_val > len(train):
+        base_meta["note"] = (f"training pool ({n_train}) and validation ({n_val}) overlap in the {len(train)}-sample "
+                             "train list, as in the official code")
+    if partition == "fedbn":
+        per_client = _check_percent_and_clients(domain, percent, clients_per_domain, f"{n_train}-sample")
+        if n_train < FEDBN_NUM_PARTITIONS:
+            raise ValueError(f"domain {domain!r}: the training pool has {n_train} samples; at least "
+                             f"{FEDBN_NUM_PARTITIONS} are needed for {FEDBN_NUM_PARTITIONS} partitions")
+        bounds = partition_bounds(n_train, FEDBN_NUM_PARTITIONS)
+        ranges = [_client_range(domain, j, per_client, bounds, percent) for j in range(clients_per_domain)]
+    else:
+        if not 0.0 < percent <= 1.0:
+            raise ValueError(f"percent must be in (0, 1], got {percent}")
+        if isinstance(clients_per_domain, bool) or not isinstance(clients_per_domain, int) or clients_per_domain < 1:
+            raise ValueError(f"clients_per_domain must be a positive int, got {clients_per_domain!r}")
+        used = int(n_train * percent)
+        if used < clients_per_domain:
+            raise ValueError(f"domain {domain!r}: {used} training samples cannot give {clients_per_domain} clients at "
+                             "least one sample each; use fewer clients per domain or a larger percent")
+        ranges = [([j], start, stop) for j, (start, stop) in enumerate(partition_bounds(used, clients_per_domain))]
+    clients = []
+    for j, (parts, start, stop) in enumerate(ranges):
+        name = domain if clients_per_domain == 1 and partition == "fedbn" else f"{domain}-{j + 1}"
+        clients.append(ClientData(
+            name=name, domain=domain, train=pool.subset(torch.arange(start, stop)), test=test, val=val,
+            origin=origin,
+            meta=dict(base_meta, client_index=j, partitions=parts, train_pool_range=(start, stop), num_train=stop - start),
         ))
     return clients

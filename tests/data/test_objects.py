@@ -1,0 +1,330 @@
+"""Office-Caltech10 and DomainNet: preparing tiny archives in the real on-disk layouts (FedBN's zip
+with pickled lists, the official per-domain zips, plain image folders), loading the npz files and
+FedBN's object protocol. No network: downloads go to a localhost server."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import warnings
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from fednorm.data import prepare
+from fednorm.data.domain import DataError, Split
+from fednorm.data.federation import build_clients, image_size, load_domain, num_classes, parse_domain
+from fednorm.data.objects import DOMAINNET, OFFICE_CALTECH10, image_to_array, load_object_domain
+from fednorm.data.prepare import RawFile
+from fednorm.data.protocol import fedbn_object_clients
+
+from .local_http import serve_folder
+
+SIZE = 16
+
+
+def _png(array: np.ndarray, mode: str | None = None) -> bytes:
+    image = Image.fromarray(array)
+    if mode:
+        image = image.convert(mode)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _image(rng, i: int, shape=(SIZE, SIZE)) -> tuple[np.ndarray, str | None]:
+    """Mostly RGB images of the output size; every fifth is grey, every seventh RGBA."""
+    rgb = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
+    if i % 5 == 4:
+        return rgb[..., 0], None  # mode L
+    return rgb, "RGBA" if i % 7 == 6 else None
+
+
+def _fedbn_office_zip(path, rng, sizes: dict[str, tuple[int, int]], prefix="office_caltech_10"):
+    """FedBN's office_caltech_10_dataset.zip layout: images + {domain}_{train,test}.pkl lists of
+    (paths relative to FedBN's data/ folder, text labels). Returns {(domain, part): [(array, label)]}."""
+    expected = {}
+    with zipfile.ZipFile(path, "w") as zf:
+        for domain, (n_train, n_test) in sizes.items():
+            for part, n in (("train", n_train), ("test", n_test)):
+                paths, labels, items = [], [], []
+                for i in range(n):
+                    label = (i * 3 + len(domain)) % 10
+                    cls = OFFICE_CALTECH10.classes[label]
+                    array, mode = _image(rng, i)
+                    member = f"{prefix}/{domain}/{cls}/{part}_{i:03d}.png"
+                    zf.writestr(member, _png(array, mode))
+                    paths.append(member)
+                    labels.append(cls)
+                    items.append((array, label, mode))
+                blob = pickle.dumps((np.array(paths), np.array(labels)))
+                zf.writestr(f"{prefix}/{domain}_{part}.pkl", blob)
+                expected[domain, part] = items
+        zf.writestr("__MACOSX/office_caltech_10/amazon/mug/._x.png", b"junk")
+    return expected
+
+
+def _as_rgb(array: np.ndarray, mode: str | None) -> np.ndarray:
+    if array.ndim == 2 or mode == "RGBA":  # FedBN: Grayscale(3) unless the image has three bands
+        grey = np.asarray(Image.fromarray(array).convert(mode or "L").convert("L"))
+        return np.repeat(grey[..., None], 3, axis=2)
+    return array
+
+
+OFFICE_SIZES = {"amazon": (30, 8), "caltech": (26, 7), "dslr": (24, 6), "webcam": (28, 6)}
+
+
+@pytest.fixture()
+def office_raw(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    expected = _fedbn_office_zip(raw / "office_caltech_10_dataset.zip", np.random.default_rng(0), OFFICE_SIZES)
+    return raw, expected
+
+
+def _manifest(data_dir) -> dict:
+    return json.loads((data_dir / "manifest.json").read_text())
+
+
+def test_office_from_fedbn_zip_to_npz_and_loaded(office_raw, tmp_path):
+    raw, expected = office_raw
+    data = tmp_path / "data"
+    paths = prepare.prepare_office_caltech10(data, raw_dir=raw, download=False, progress=False, size=SIZE)
+    assert paths == [data / f"office_caltech10/{d}_{SIZE}.npz" for d in OFFICE_CALTECH10.domains]
+    with np.load(paths[0]) as f:
+        assert f["x_train"].shape == (30, SIZE, SIZE, 3) and f["x_train"].dtype == np.uint8
+        assert f["x_test"].shape == (8, SIZE, SIZE, 3)
+        assert f["classes"].tolist() == list(OFFICE_CALTECH10.classes)
+        for part in ("train", "test"):
+            items = expected["amazon", part]
+            assert f[f"y_{part}"].tolist() == [label for _, label, _ in items]  # list order, FedBN label order
+            for i, (array, _, mode) in enumerate(items):
+                np.testing.assert_array_equal(f[f"x_{part}"][i], _as_rgb(array, mode))
+    entry = _manifest(data)[f"office_caltech10_amazon_{SIZE}"]
+    assert entry["file"] == f"office_caltech10/amazon_{SIZE}.npz"
+    assert entry["arrays"]["x_train"] == [30, SIZE, SIZE, 3]
+    assert "FedBN's train/test lists" in entry["source"] and "amazon_train.pkl" in entry["source"]
+
+    train, test = load_object_domain("office_caltech10", "dslr", data, SIZE)
+    assert train.x.shape == (24, 3, SIZE, SIZE) and test.x.shape == (6, 3, SIZE, SIZE)
+    assert train.y.dtype == torch.int64
+    array, _, mode = expected["dslr", "train"][1]
+    assert torch.equal(train.x[1], torch.from_numpy(_as_rgb(array, mode)).permute(2, 0, 1))
+
+    domains = [f"office_caltech10/{d}@{SIZE}" for d in OFFICE_CALTECH10.domains]
+    assert num_classes(domains) == 10 and image_size(domains) == SIZE
+    clients = build_clients(domains, data_dir=data, percent=1.0)
+    # The official prepare_data: min train list 24 (dslr) -> train on the first int(0.5 * 24) = 12,
+    # validate on the last int(0.4 * 24) = 9, test on the whole test list.
+    assert [c.name for c in clients] == domains
+    for c, d in zip(clients, OFFICE_CALTECH10.domains):
+        full, test = load_object_domain("office_caltech10", d, data, SIZE)
+        assert c.num_train == 12 and torch.equal(c.train.x, full.x[:12])
+        assert len(c.val) == 9 and torch.equal(c.val.y, full.y[-9:])
+        assert torch.equal(c.test.y, test.y)
+        assert c.meta["protocol"] == "fedbn-objects" and c.meta["min_train_len"] == 24
+
+
+def test_office_resize_and_modes_follow_fedbn():
+    rng = np.random.default_rng(1)
+    rgb = rng.integers(0, 256, (40, 30, 3), dtype=np.uint8)
+    out = image_to_array(Image.fromarray(rgb), 16)
+    expected = np.asarray(Image.fromarray(rgb).resize((16, 16), Image.BILINEAR))
+    np.testing.assert_array_equal(out, expected)  # torchvision Resize([16, 16]) on PIL = this call
+    palette = Image.fromarray(rgb).convert("P")
+    grey = image_to_array(palette, 16)
+    assert (grey[..., 0] == grey[..., 1]).all() and (grey[..., 1] == grey[..., 2]).all()
+    cmyk = image_to_array(Image.fromarray(rgb).convert("CMYK"), 8)
+    assert cmyk.shape == (8, 8, 3) and (cmyk[..., 0] == cmyk[..., 2]).all()
+
+
+def test_office_downloaded_once_from_the_registry(office_raw, tmp_path, monkeypatch):
+    raw, _ = office_raw
+    with serve_folder(raw) as server:
+        name = "office_caltech_10_dataset.zip"
+        monkeypatch.setitem(prepare.OFFICE_SOURCES, "archive", RawFile(server.url(name), name))
+        data = tmp_path / "data"
+        prepare.prepare_office_caltech10(data, progress=False, size=SIZE, domains=["webcam"])
+        assert [e["path"] for e in server.log] == [f"/{name}"]
+        assert (data / "raw/office_caltech10" / name).read_bytes() == (raw / name).read_bytes()
+        assert sorted(p.name for p in (data / "office_caltech10").iterdir()) == [f"webcam_{SIZE}.npz"]
+        source = _manifest(data)[f"office_caltech10_webcam_{SIZE}"]["source"]
+        assert "sha256" in source
+        prepare.prepare_office_caltech10(data, progress=False, size=SIZE, domains=["amazon"])
+        assert len(server.log) == 1  # the archive is there: no second download
+
+
+def test_office_image_folders_without_lists_get_a_seeded_stratified_split(tmp_path):
+    raw = tmp_path / "raw"
+    rng = np.random.default_rng(2)
+    for cls in OFFICE_CALTECH10.classes[:4]:
+        folder = raw / "office_caltech_10" / "webcam" / cls
+        folder.mkdir(parents=True)
+        for i in range(10):
+            Image.fromarray(rng.integers(0, 256, (12, 20, 3), dtype=np.uint8)).save(folder / f"frame_{i:04d}.jpg")
+    data = tmp_path / "data"
+    with pytest.warns(UserWarning, match="stratified 80/20"):
+        prepare.prepare_office_caltech10(data, raw_dir=raw, download=False, progress=False, size=SIZE,
+                                         domains="webcam")
+    train, test = load_object_domain("office_caltech10", "webcam", data, SIZE)
+    assert len(train) == 32 and len(test) == 8
+    assert torch.bincount(test.y, minlength=10).tolist()[:4] == [2, 2, 2, 2]
+    assert "seed 0" in _manifest(data)[f"office_caltech10_webcam_{SIZE}"]["source"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = tmp_path / "again"
+        prepare.prepare_office_caltech10(again, raw_dir=raw, download=False, progress=False, size=SIZE,
+                                         domains="webcam")
+    assert torch.equal(load_object_domain("office_caltech10", "webcam", again, SIZE)[1].x, test.x)
+
+
+def test_office_missing_listed_image_and_missing_archive_are_explained(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    with zipfile.ZipFile(raw / "office_caltech_10_dataset.zip", "w") as zf:
+        zf.writestr("office_caltech_10/dslr/mug/a.png", _png(np.zeros((4, 4, 3), np.uint8)))
+        lst = (["office_caltech_10/dslr/mug/a.png", "office_caltech_10/dslr/mug/gone.png"], ["mug", "mug"])
+        zf.writestr("office_caltech_10/dslr_train.pkl", pickle.dumps(lst))
+        zf.writestr("office_caltech_10/dslr_test.pkl", pickle.dumps(lst))
+    with pytest.raises(DataError, match="dslr/mug/gone.png"):
+        prepare.prepare_office_caltech10(tmp_path / "data", raw_dir=raw, download=False, domains=["dslr"])
+    with pytest.raises(DataError) as info:
+        prepare.prepare_office_caltech10(tmp_path / "data", raw_dir=tmp_path / "empty", download=False)
+    assert "office_caltech_10_dataset.zip" in str(info.value) and str(tmp_path / "empty") in str(info.value)
+
+
+def test_missing_prepared_file_says_which_command_writes_it(tmp_path):
+    with pytest.raises(DataError, match="fednorm data prepare office_caltech10 --size 256 --domains caltech"):
+        load_domain("office_caltech10/caltech@256", data_dir=tmp_path)
+    with pytest.raises(DataError, match="fednorm data prepare domainnet --domains real"):
+        load_domain("domainnet/real", data_dir=tmp_path)
+
+
+def test_domain_names_and_sizes():
+    assert parse_domain("office_caltech10/amazon").image_size == 64
+    assert parse_domain("domainnet/quickdraw@256").file == "domainnet/quickdraw_256.npz"
+    for bad, match in [("office_caltech10/amazon@x", "integer"), ("office_caltech10/amazon@4", "8..1024"),
+                       ("domainnet/photo", "unknown domain"), ("office_caltech10", "unknown domain")]:
+        with pytest.raises(ValueError, match=match):
+            parse_domain(bad)
+    with pytest.raises(ValueError, match="mix benchmarks"):
+        num_classes(["office_caltech10/amazon", "mnist"])  # both have 10 classes, but not the same ones
+    with pytest.raises(ValueError, match="mix image sizes"):
+        image_size(["office_caltech10/amazon", "office_caltech10/dslr@256"])
+
+
+# --- DomainNet -------------------------------------------------------------------------------------
+
+
+def _domainnet_zips(raw, rng, domain="clipart", n_train=12, n_test=5):
+    """The official <domain>.zip (<domain>/<class>/<file>, 345 classes: one extra here) and FedBN's
+    domainnet_dataset.zip (DomainNet/<domain>_{train,test}.pkl, paths relative to FedBN's data/)."""
+    raw.mkdir(parents=True, exist_ok=True)
+    lists = {}
+    with zipfile.ZipFile(raw / f"{domain}.zip", "w") as zf:
+        zf.writestr(f"{domain}/aircraft_carrier/{domain}_001_000001.jpg", b"not in the ten classes")
+        for part, n in (("train", n_train), ("test", n_test)):
+            paths, labels = [], []
+            for i in range(n):
+                cls = DOMAINNET.classes[(i + (part == "test")) % 10]
+                name = f"{domain}/{cls}/{domain}_{part}_{i:06d}.png"
+                zf.writestr(name, _png(rng.integers(0, 256, (24, 24, 3), dtype=np.uint8)))
+                paths.append(f"DomainNet/{name}")
+                labels.append(cls)
+            lists[part] = (paths, labels)
+    with zipfile.ZipFile(raw / "domainnet_dataset.zip", "w") as zf:
+        for part, pair in lists.items():
+            zf.writestr(f"DomainNet/{domain}_{part}.pkl", pickle.dumps(pair))
+    return lists
+
+
+def test_domainnet_official_zip_and_fedbn_lists(tmp_path):
+    raw = tmp_path / "raw"
+    lists = _domainnet_zips(raw, np.random.default_rng(3))
+    data = tmp_path / "data"
+    [path] = prepare.prepare_domainnet(data, raw_dir=raw, download=False, progress=False, size=SIZE,
+                                       domains=["clipart"])
+    assert path == data / f"domainnet/clipart_{SIZE}.npz"
+    train, test = load_domain(f"domainnet/clipart@{SIZE}", data_dir=data).parts()
+    assert len(train) == 12 and len(test) == 5
+    assert [DOMAINNET.classes[i] for i in train.y.tolist()] == lists["train"][1]
+    with zipfile.ZipFile(raw / "clipart.zip") as zf:
+        first = Image.open(io.BytesIO(zf.read(lists["train"][0][0].removeprefix("DomainNet/"))))
+        expected = np.array(first.convert("RGB").resize((SIZE, SIZE), Image.BILINEAR))
+    assert torch.equal(train.x[0], torch.from_numpy(expected).permute(2, 0, 1))
+    # int(0.05 * 12) = 0 training samples: the official fractions need realistic list lengths.
+    with pytest.raises(ValueError, match="0 samples"):
+        build_clients([f"domainnet/clipart@{SIZE}"], data_dir=data, percent=1.0)
+
+
+def test_domainnet_protocol_fractions_and_missing_zip_download(tmp_path, monkeypatch):
+    raw = tmp_path / "raw"
+    _domainnet_zips(raw, np.random.default_rng(4), "sketch", n_train=220, n_test=4)
+    served = tmp_path / "served"
+    served.mkdir()
+    (raw / "sketch.zip").rename(served / "sketch.zip")
+    with serve_folder(served) as server:
+        monkeypatch.setitem(prepare.DOMAINNET_SOURCES, "sketch", RawFile(server.url("sketch.zip"), "sketch.zip"))
+        data = tmp_path / "data"
+        prepare.prepare_domainnet(data, raw_dir=raw, progress=False, size=SIZE, domains=["sketch"])
+        assert [e["path"] for e in server.log] == ["/sketch.zip"]
+    clients = build_clients([f"domainnet/sketch@{SIZE}"], data_dir=data, percent=1.0)
+    # DomainNet: train on the first int(0.05 * 220) = 11, validate on the last 11.
+    assert clients[0].num_train == 11 and len(clients[0].val) == 11 and len(clients[0].test) == 4
+
+
+# --- the object protocol ---------------------------------------------------------------------------
+
+
+def _split(n: int, seed: int = 0) -> Split:
+    g = torch.Generator().manual_seed(seed)
+    return Split(torch.randint(0, 256, (n, 3, 4, 4), generator=g, dtype=torch.uint8), torch.arange(n) % 10)
+
+
+def test_object_protocol_official_sizes():
+    train, test = _split(157), _split(40, 1)
+    # FedBN's Office-Caltech10: 62 training samples per client (paper Sec. 5.2).
+    [c] = fedbn_object_clients("dslr", train, test, min_train_len=125, train_fraction=0.5, val_fraction=0.4)
+    assert c.num_train == 62 and torch.equal(c.train.x, train.x[:62])
+    assert len(c.val) == 50 and torch.equal(c.val.x, train.x[-50:]) and c.test is test
+    # DomainNet: 105 per client.
+    [d] = fedbn_object_clients("real", _split(3000), test, min_train_len=2105, train_fraction=0.05,
+                               val_fraction=0.05)
+    assert d.num_train == 105 and len(d.val) == 105
+
+
+def test_object_protocol_partitions_and_even():
+    train, test = _split(125), _split(10)
+    halves = fedbn_object_clients("dslr", train, test, min_train_len=125, train_fraction=0.5, val_fraction=0.4,
+                                  percent=0.5, clients_per_domain=2)
+    assert [c.name for c in halves] == ["dslr-1", "dslr-2"] and [c.num_train for c in halves] == [31, 31]
+    assert halves[0].meta["train_pool_range"] == (0, 31) and halves[1].meta["train_pool_range"] == (31, 62)
+    assert fedbn_object_clients("dslr", train, test, min_train_len=125, train_fraction=0.5, val_fraction=0.4,
+                                percent=0.1)[0].num_train == 6  # a tenth of the pool
+    even = fedbn_object_clients("dslr", train, test, min_train_len=125, train_fraction=0.5, val_fraction=0.4,
+                                percent=1.0, clients_per_domain=5, partition="even")
+    assert [c.num_train for c in even] == [12, 12, 13, 12, 13]
+    with pytest.raises(ValueError, match="clients_per_domain <= 1"):
+        fedbn_object_clients("dslr", train, test, min_train_len=125, train_fraction=0.5, val_fraction=0.4,
+                             percent=1.0, clients_per_domain=2)
+    with pytest.raises(ValueError, match="0 samples"):
+        fedbn_object_clients("dslr", train, test, min_train_len=12, train_fraction=0.05, val_fraction=0.05)
+
+
+def test_command_line_prepares_office(office_raw, tmp_path):
+    from typer.testing import CliRunner
+
+    from fednorm.cli.main import app
+
+    raw, _ = office_raw
+    data = tmp_path / "data"
+    result = CliRunner().invoke(app, ["data", "prepare", "office_caltech10", "--data-dir", str(data), "--raw-dir",
+                                      str(raw), "--size", str(SIZE), "--domains", "dslr,webcam", "--no-download",
+                                      "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("wrote") == 2
+    assert load_domain(f"office_caltech10/webcam@{SIZE}", data_dir=data).train.x.shape == (28, 3, SIZE, SIZE)
