@@ -220,9 +220,9 @@ class InProcessEngine:
             if self.local_keys:
                 self.local_states[client.name] = {k: state[k].detach().clone() for k in self.local_keys}
             if self.shared_keys:
+                sent = self.algorithm.reply_state(context, {k: state[k] for k in self.shared_keys})
                 self.server.add(ClientReply(
-                    client.name, {k: state[k].detach().clone() if self.server.collecting else state[k]
-                                  for k in self.shared_keys},
+                    client.name, {k: v.detach().clone() if self.server.collecting else v for k, v in sent.items()},
                     weight, result.num_steps,
                     {prefix: layer.last_count for prefix, layer in self.fbn_layers.items() if layer.last_count},
                 ))
@@ -288,6 +288,7 @@ class InProcessEngine:
         out: list[Evaluation] = []
         for client in self.eval_clients:
             self.load_client(client.name)
+            self.algorithm.adapt_for_evaluation(self.model, client, self.prepare, self.training.lr)
             for split in splits:
                 data = getattr(client, split)
                 if data is None or len(data) == 0:

@@ -74,8 +74,23 @@ class ClientAlgorithm:
     def loss_term(self, ctx: ClientContext, model: nn.Module, x: Tensor, y: Tensor, logits: Tensor) -> Tensor | None:
         return None
 
+    def compute_gradients(self, ctx: ClientContext, model: nn.Module, x: Tensor, y: Tensor,
+                          forward) -> float | None:
+        """Replace the step's forward and backward (Per-FedAvg's two-batch MAML step): fill ``p.grad`` of the
+        parameters and return the step's loss, or return None to let the loop do its plain step.
+        ``forward(x)`` runs the model under the loop's autocast settings."""
+        return None
+
     def on_gradients(self, ctx: ClientContext, model: nn.Module) -> None:
         pass
+
+    def reply_state(self, ctx: ClientContext, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The shared entries the client sends (FedDC sends theta_i + h_i); by default its trained state."""
+        return state
+
+    def adapt_for_evaluation(self, model: nn.Module, data, prepare, lr: float) -> None:
+        """Change the loaded model of a client in place just before it is evaluated (Per-FedAvg's
+        personalization steps). By default nothing: the client is evaluated as it is."""
 
     def on_end(self, ctx: ClientContext, model: nn.Module, num_steps: int) -> dict[str, Tensor]:
         return {}

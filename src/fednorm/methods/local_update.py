@@ -206,24 +206,32 @@ def train_locally(
     per_epoch = len(schedule) // cfg.epochs if cfg.steps is None else len(schedule)
     if algorithm is not None:
         algorithm.on_start(context, model)
+    def forward(inputs: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
+            return model(inputs)
+
     for step, index in enumerate(schedule):
         x = prepare(data.x[index])
         y = data.y[index]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float(), y)
-        if algorithm is not None:
-            extra = algorithm.loss_term(context, model, x, y, logits)
-            if extra is not None:
-                loss = loss + extra
-        value = float(loss.detach())
+        optimizer.zero_grad(set_to_none=True)
+        custom = algorithm.compute_gradients(context, model, x, y, forward) if algorithm is not None else None
+        if custom is None:
+            logits = forward(x)
+            loss = F.cross_entropy(logits.float(), y)
+            if algorithm is not None:
+                extra = algorithm.loss_term(context, model, x, y, logits)
+                if extra is not None:
+                    loss = loss + extra
+            value = float(loss.detach())
+        else:
+            value = float(custom)
         if not math.isfinite(value):
             raise FloatingPointError(
                 f"local training loss became {value} after {seen} samples: lower the learning rate "
                 f"(now {cfg.lr}) or check the client's data"
             )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        if custom is None:
+            loss.backward()
         if prox and not (prox_skip_epoch_start and step % per_epoch == 0):
             # gradient of (mu/2)||w - w_g||^2 is mu (w - w_g); added exactly, without building the term
             with torch.no_grad():
