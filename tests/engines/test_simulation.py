@@ -115,7 +115,7 @@ def test_fedavg_one_full_batch_step_on_different_clients_equals_centralized_sgd(
 
 def test_fedprox_reference_covers_only_shared_parameters(tiny_clients, monkeypatch):
     seen = {}
-    import fednorm.engines.simulation as sim
+    import fednorm.engines.client_step as sim
 
     real = sim.train_locally
 
@@ -219,7 +219,7 @@ def test_fixed_local_steps_give_every_client_the_same_iterations(tiny_clients):
 
 
 def test_fedbn_code_prox_schedule_has_no_term_in_the_first_round(tiny_clients, monkeypatch):
-    import fednorm.engines.simulation as sim
+    import fednorm.engines.client_step as sim
 
     calls = []
     real = sim.train_locally

@@ -24,9 +24,9 @@ from ..methods.aggregation import client_weights
 from ..methods.local_update import LocalResult, LocalTraining, batch_schedule, has_batchnorm, train_locally
 from ..methods.policy import local_state_keys
 from ..methods.presets import Method
-from ..methods.client_algorithms import ClientContext
-from ..methods.server import ClientReply, LocalSchedule, ServerUpdate, Threat
-from ..models.fbn import federated_bn_layers, set_federation_size
+from .client_step import ClientMemory, ClientRunner, RoundInstructions
+from ..methods.server import LocalSchedule, ServerUpdate, Threat
+from ..models.fbn import federated_bn_layers
 
 _SAMPLING_STREAM = 1
 _CLIENT_STREAM = 2
@@ -113,6 +113,8 @@ class InProcessEngine:
         params = {n for n, _ in self.model.named_parameters()}
         self.shared_params = [k for k in self.shared_keys if k in params]
         self.algorithm = method.client.build()
+        self.runner = ClientRunner(self.model, method, training, self.local_keys, self.shared_keys, self.prepare,
+                                   federation.persistent_optimizer, self.algorithm)
         self.algorithm_server_state = self.algorithm.init_server_state(self.model, self.shared_params)
         self.algorithm_states: dict[str, dict[str, torch.Tensor]] = {}
         self.local_states: dict[str, dict[str, torch.Tensor]] = {}
@@ -176,56 +178,28 @@ class InProcessEngine:
             return self._run_union_round(r, participants)
         weights = client_weights([c.num_train for c in participants], self.federation.weighting)
         training = self._round_training(r)
-        prox_reference = None
-        code_schedule = self.method.prox_schedule == "fedbn_code"
-        if self.method.prox_mu > 0 and not (code_schedule and r == 0):
-            params = {n for n, _ in self.model.named_parameters()}
-            prox_reference = {k: self.global_state[k] for k in self.shared_keys if k in params}
+        prox = not (self.method.prox_schedule == "fedbn_code" and r == 0)
         freeze = self.freeze_round is not None and r >= self.freeze_round
         if self.shared_keys:
             self.server.begin(self.global_state)
         results: dict[str, LocalResult] = {}
         messages: list[dict[str, torch.Tensor]] = []
         for client, weight in zip(participants, weights):
-            self.load_client(client.name)
-            context = ClientContext(
-                client.name, training.lr, self.shared_params,
-                {k: self.global_state[k] for k in self.shared_keys}, self.algorithm_server_state,
-                self.algorithm_states.setdefault(client.name, {}) if self.algorithm.stateful else {},
-                data=client.train, prepare=self.prepare,
-            )
-            set_federation_size(self.model, len(participants))
-            for layer in self.fbn_layers.values():
-                layer.last_count = 0
-            result, optimizer_state = train_locally(
-                self.model,
-                client.train,
-                training,
-                generator=self._client_generator(r, client),
-                prepare=self.prepare,
-                prox_reference=prox_reference,
-                prox_mu=self.method.prox_mu,
-                prox_skip_epoch_start=code_schedule,
-                optimizer_state=self.optimizer_states.get(client.name),
-                agc_clip=self.method.agc_clip,
-                agc_exclude_head=self.method.agc_exclude_head,
-                freeze_bn_stats=freeze,
-                algorithm=self.algorithm,
-                context=context,
-            )
-            messages.append(context.scratch.get("message", {}))
-            if self.federation.persistent_optimizer:
-                self.optimizer_states[client.name] = optimizer_state
-            state = self.model.state_dict()
+            instructions = RoundInstructions(
+                round=r, num_participants=len(participants), lr=training.lr, weight=weight, freeze_bn_stats=freeze,
+                prox=prox, seed=derive_seed(self.federation.seed, r, self._index[client.name], _CLIENT_STREAM))
+            memory = ClientMemory(self.local_states.get(client.name, {}), self.optimizer_states.get(client.name),
+                                  self.algorithm_states.setdefault(client.name, {}) if self.algorithm.stateful else {})
+            reply, message, result = self.runner.run(client, instructions, self.global_state,
+                                                     self.algorithm_server_state, memory,
+                                                     copy_reply=self.server.collecting)
             if self.local_keys:
-                self.local_states[client.name] = {k: state[k].detach().clone() for k in self.local_keys}
+                self.local_states[client.name] = memory.local_state
+            if self.federation.persistent_optimizer:
+                self.optimizer_states[client.name] = memory.optimizer_state
             if self.shared_keys:
-                sent = self.algorithm.reply_state(context, {k: state[k] for k in self.shared_keys})
-                self.server.add(ClientReply(
-                    client.name, {k: v.detach().clone() if self.server.collecting else v for k, v in sent.items()},
-                    weight, result.num_steps,
-                    {prefix: layer.last_count for prefix, layer in self.fbn_layers.items() if layer.last_count},
-                ))
+                self.server.add(reply)
+            messages.append(message)
             results[client.name] = result
         if self.shared_keys:
             self.global_state.update(self.server.finish())

@@ -1,0 +1,119 @@
+"""The client side of one round, shared by every engine (in-process simulation, Flower).
+
+A client receives the global shared entries, the client algorithm's server state and a few round
+instructions; it loads them with what it keeps to itself (:class:`ClientMemory`: its local entries
+under the method's norm state policy, its optimizer state, its client algorithm's state), trains, and
+answers with a :class:`fednorm.methods.server.ClientReply` plus the client algorithm's message.
+Engines only move these objects around; nothing here knows how they travel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..data.domain import ClientData
+from ..methods.client_algorithms import ClientAlgorithm, ClientContext
+from ..methods.local_update import LocalResult, LocalTraining, train_locally
+from ..methods.presets import Method
+from ..methods.server import ClientReply
+from ..models.fbn import federated_bn_layers, set_federation_size
+
+
+@dataclass(frozen=True)
+class RoundInstructions:
+    """What the server tells each participant of a round, besides the global entries."""
+
+    round: int
+    num_participants: int
+    lr: float  # this round's learning rate (schedules live on the server)
+    weight: float  # the client's aggregation weight p_k, echoed in its reply
+    freeze_bn_stats: bool = False  # FixBN's second phase
+    prox: bool = True  # whether FedProx's term applies this round (FedBN's code skips round 0)
+    seed: int = 0  # the client's random stream of this round (batches, dropout)
+
+
+@dataclass
+class ClientMemory:
+    """What one client keeps between rounds; never sent to the server."""
+
+    local_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    optimizer_state: dict | None = None
+    algorithm_state: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class ClientRunner:
+    """Runs a method's client update on one working model, for any client handed to it."""
+
+    def __init__(self, model: nn.Module, method: Method, training: LocalTraining, local_keys, shared_keys: list[str],
+                 prepare: Callable[[torch.Tensor], torch.Tensor], persistent_optimizer: bool = False,
+                 algorithm: ClientAlgorithm | None = None) -> None:
+        self.model, self.method, self.training, self.prepare = model, method, training, prepare
+        self.local_keys, self.shared_keys = frozenset(local_keys), list(shared_keys)
+        params = {n for n, _ in model.named_parameters()}
+        self.shared_params = [k for k in self.shared_keys if k in params]
+        self.persistent_optimizer = persistent_optimizer
+        self.algorithm = algorithm or method.client.build()
+        self.fbn_layers = federated_bn_layers(model)
+
+    def load(self, global_state: dict[str, torch.Tensor], memory: ClientMemory | None) -> None:
+        """The client's model: the global entries with its own local entries on top."""
+        local = memory.local_state if memory is not None else {}
+        self.model.load_state_dict({**global_state, **local})
+
+    def run(self, client: ClientData, instructions: RoundInstructions, global_state: dict[str, torch.Tensor],
+            server_state: dict[str, torch.Tensor], memory: ClientMemory, copy_reply: bool = False,
+            ) -> tuple[ClientReply, dict[str, torch.Tensor], LocalResult]:
+        """Train ``client`` for one round from ``global_state`` (shared entries, or the full state); update
+        ``memory`` in place; return the reply to the server, the client algorithm's message and the loss
+        statistics. ``copy_reply`` detaches the reply from the working model (needed when the caller keeps
+        it while training the next client)."""
+        self.load(global_state, memory)
+        training = self.training if instructions.lr == self.training.lr else _with_lr(self.training, instructions.lr)
+        shared_global = {k: global_state[k] for k in self.shared_keys}
+        prox_reference = None
+        if self.method.prox_mu > 0 and instructions.prox:
+            prox_reference = {k: shared_global[k] for k in self.shared_params}
+        context = ClientContext(
+            client.name, training.lr, self.shared_params, shared_global, server_state,
+            memory.algorithm_state if self.algorithm.stateful else {}, data=client.train, prepare=self.prepare,
+        )
+        set_federation_size(self.model, instructions.num_participants)
+        for layer in self.fbn_layers.values():
+            layer.last_count = 0
+        torch.manual_seed(instructions.seed)  # dropout and any other sampling inside the model
+        result, optimizer_state = train_locally(
+            self.model, client.train, training,
+            generator=torch.Generator().manual_seed(instructions.seed),
+            prepare=self.prepare,
+            prox_reference=prox_reference,
+            prox_mu=self.method.prox_mu,
+            prox_skip_epoch_start=self.method.prox_schedule == "fedbn_code",
+            optimizer_state=memory.optimizer_state if self.persistent_optimizer else None,
+            agc_clip=self.method.agc_clip,
+            agc_exclude_head=self.method.agc_exclude_head,
+            freeze_bn_stats=instructions.freeze_bn_stats,
+            algorithm=self.algorithm,
+            context=context,
+        )
+        if self.persistent_optimizer:
+            memory.optimizer_state = optimizer_state
+        state = self.model.state_dict()
+        if self.local_keys:
+            memory.local_state = {k: state[k].detach().clone() for k in self.local_keys}
+        sent = self.algorithm.reply_state(context, {k: state[k] for k in self.shared_keys})
+        reply = ClientReply(
+            client.name, {k: v.detach().clone() if copy_reply else v for k, v in sent.items()},
+            instructions.weight, result.num_steps,
+            {prefix: layer.last_count for prefix, layer in self.fbn_layers.items() if layer.last_count},
+        )
+        return reply, context.scratch.get("message", {}), result
+
+
+def _with_lr(training: LocalTraining, lr: float) -> LocalTraining:
+    from dataclasses import replace
+
+    return replace(training, lr=lr)
