@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..data.domain import ClientData
+from ..methods.amplitude import AmplitudeNormalizer, AmplitudePrepare, average_amplitudes
 from ..methods.client_algorithms import ClientAlgorithm, ClientContext
 from ..methods.local_update import LocalResult, LocalTraining, train_locally
 from ..methods.presets import Method
@@ -50,8 +51,13 @@ class ClientRunner:
 
     def __init__(self, model: nn.Module, method: Method, training: LocalTraining, local_keys, shared_keys: list[str],
                  prepare: Callable[[torch.Tensor], torch.Tensor], persistent_optimizer: bool = False,
-                 algorithm: ClientAlgorithm | None = None) -> None:
-        self.model, self.method, self.training, self.prepare = model, method, training, prepare
+                 algorithm: ClientAlgorithm | None = None,
+                 layout: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """``prepare`` turns a uint8 batch into the model input; ``layout`` (channels_last) is applied after
+        it, and after the amplitude normalization that replaces ``prepare`` for HarmoFL's methods."""
+        self.model, self.method, self.training = model, method, training
+        self.layout = layout or (lambda x: x)
+        self.prepare = lambda x: self.layout(prepare(x))
         self.local_keys, self.shared_keys = frozenset(local_keys), list(shared_keys)
         params = {n for n, _ in model.named_parameters()}
         self.shared_params = [k for k in self.shared_keys if k in params]
@@ -66,20 +72,28 @@ class ClientRunner:
 
     def run(self, client: ClientData, instructions: RoundInstructions, global_state: dict[str, torch.Tensor],
             server_state: dict[str, torch.Tensor], memory: ClientMemory, copy_reply: bool = False,
+            input_state: dict[str, torch.Tensor] | None = None,
             ) -> tuple[ClientReply, dict[str, torch.Tensor], LocalResult]:
         """Train ``client`` for one round from ``global_state`` (shared entries, or the full state); update
         ``memory`` in place; return the reply to the server, the client algorithm's message and the loss
         statistics. ``copy_reply`` detaches the reply from the working model (needed when the caller keeps
-        it while training the next client)."""
+        it while training the next client). ``input_state`` is the server's input harmonization state
+        (HarmoFL's global amplitude, once averaged); the client's own amplitude goes into the message
+        under ``amp.client`` until then."""
         self.load(global_state, memory)
         training = self.training if instructions.lr == self.training.lr else _with_lr(self.training, instructions.lr)
         shared_global = {k: global_state[k] for k in self.shared_keys}
         prox_reference = None
         if self.method.prox_mu > 0 and instructions.prox:
             prox_reference = {k: shared_global[k] for k in self.shared_params}
+        prepare, normalizer = self.prepare, None
+        if self.method.amplitude_norm:
+            normalizer = amplitude_normalizer(self.method.amplitude_norm, (input_state or {}).get("amp.global"))
+            normalizer.train()
+            prepare = lambda x: self.layout(AmplitudePrepare(normalizer)(x))  # noqa: E731
         context = ClientContext(
             client.name, training.lr, self.shared_params, shared_global, server_state,
-            memory.algorithm_state if self.algorithm.stateful else {}, data=client.train, prepare=self.prepare,
+            memory.algorithm_state if self.algorithm.stateful else {}, data=client.train, prepare=prepare,
         )
         set_federation_size(self.model, instructions.num_participants)
         for layer in self.fbn_layers.values():
@@ -88,7 +102,7 @@ class ClientRunner:
         result, optimizer_state = train_locally(
             self.model, client.train, training,
             generator=torch.Generator().manual_seed(instructions.seed),
-            prepare=self.prepare,
+            prepare=prepare,
             prox_reference=prox_reference,
             prox_mu=self.method.prox_mu,
             prox_skip_epoch_start=self.method.prox_schedule == "fedbn_code",
@@ -98,7 +112,11 @@ class ClientRunner:
             freeze_bn_stats=instructions.freeze_bn_stats,
             algorithm=self.algorithm,
             context=context,
+            weight_perturbation=self.method.weight_perturbation,
         )
+        message = context.scratch.get("message", {})
+        if normalizer is not None and not normalizer.frozen:
+            message = {**message, "amp.client": normalizer.amplitude.detach().clone()}
         if self.persistent_optimizer:
             memory.optimizer_state = optimizer_state
         state = self.model.state_dict()
@@ -110,7 +128,33 @@ class ClientRunner:
             instructions.weight, result.num_steps,
             {prefix: layer.last_count for prefix, layer in self.fbn_layers.items() if layer.last_count},
         )
-        return reply, context.scratch.get("message", {}), result
+        return reply, message, result
+
+    def evaluation_prepare(self, input_state: dict[str, torch.Tensor] | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The input pipeline at evaluation: with amplitude normalization, the global (frozen) amplitude."""
+        amp = (input_state or {}).get("amp.global")
+        if not self.method.amplitude_norm or amp is None:
+            return self.prepare
+        normalizer = amplitude_normalizer(self.method.amplitude_norm, amp).eval()
+        return lambda x: self.layout(AmplitudePrepare(normalizer, update=False)(x))
+
+
+def amplitude_normalizer(variant: str, global_amplitude: torch.Tensor | None) -> AmplitudeNormalizer:
+    """A client's normalizer: its own running amplitude (round 1), or the frozen global one afterwards."""
+    band = 0.0 if variant == "code" else None  # the code swaps the DC coefficient only (FDA window, L = 0)
+    if global_amplitude is not None:
+        return AmplitudeNormalizer.from_amplitude(global_amplitude, band_ratio=band)
+    return AmplitudeNormalizer.official_code() if variant == "code" else AmplitudeNormalizer()
+
+
+def update_input_state(input_state: dict[str, torch.Tensor], messages: list[dict[str, torch.Tensor]],
+                       weights: list[float] | None = None) -> dict[str, torch.Tensor]:
+    """HarmoFL's server step for the inputs: the first round's client amplitudes averaged (uniformly, Alg. 1
+    line 17) into the global amplitude, which is then broadcast and frozen (later messages carry none)."""
+    amps = [m["amp.client"] for m in messages if "amp.client" in m]
+    if not amps or "amp.global" in input_state:
+        return input_state
+    return {**input_state, "amp.global": average_amplitudes(amps)}
 
 
 def _with_lr(training: LocalTraining, lr: float) -> LocalTraining:

@@ -24,7 +24,7 @@ from ..methods.aggregation import client_weights
 from ..methods.local_update import LocalResult, LocalTraining, batch_schedule, has_batchnorm, train_locally
 from ..methods.policy import local_state_keys
 from ..methods.presets import Method
-from .client_step import ClientMemory, ClientRunner, RoundInstructions
+from .client_step import ClientMemory, ClientRunner, RoundInstructions, update_input_state
 from ..methods.server import LocalSchedule, ServerUpdate, Threat
 from ..models.fbn import federated_bn_layers
 
@@ -113,8 +113,9 @@ class InProcessEngine:
         params = {n for n, _ in self.model.named_parameters()}
         self.shared_params = [k for k in self.shared_keys if k in params]
         self.algorithm = method.client.build()
-        self.runner = ClientRunner(self.model, method, training, self.local_keys, self.shared_keys, self.prepare,
-                                   federation.persistent_optimizer, self.algorithm)
+        self.runner = ClientRunner(self.model, method, training, self.local_keys, self.shared_keys, prepare,
+                                   federation.persistent_optimizer, self.algorithm, layout=self._layout)
+        self.input_state: dict[str, torch.Tensor] = {}  # HarmoFL's global amplitude once averaged
         self.algorithm_server_state = self.algorithm.init_server_state(self.model, self.shared_params)
         self.algorithm_states: dict[str, dict[str, torch.Tensor]] = {}
         self.local_states: dict[str, dict[str, torch.Tensor]] = {}
@@ -147,9 +148,10 @@ class InProcessEngine:
             )
 
     def _with_layout(self, prepare):
-        if not self.federation.channels_last:
-            return prepare
-        return lambda x: prepare(x).contiguous(memory_format=torch.channels_last)
+        return (lambda x: self._layout(prepare(x))) if self.federation.channels_last else prepare
+
+    def _layout(self, x: torch.Tensor) -> torch.Tensor:
+        return x.contiguous(memory_format=torch.channels_last) if self.federation.channels_last else x
 
     # ---------------------------------------------------------------- rounds
     def sample_clients(self, round_index: int) -> list[ClientData]:
@@ -192,7 +194,7 @@ class InProcessEngine:
                                   self.algorithm_states.setdefault(client.name, {}) if self.algorithm.stateful else {})
             reply, message, result = self.runner.run(client, instructions, self.global_state,
                                                      self.algorithm_server_state, memory,
-                                                     copy_reply=self.server.collecting)
+                                                     copy_reply=self.server.collecting, input_state=self.input_state)
             if self.local_keys:
                 self.local_states[client.name] = memory.local_state
             if self.federation.persistent_optimizer:
@@ -203,8 +205,10 @@ class InProcessEngine:
             results[client.name] = result
         if self.shared_keys:
             self.global_state.update(self.server.finish())
+        algorithm_messages = [{k: v for k, v in m.items() if not k.startswith("amp.")} for m in messages]
         self.algorithm_server_state = self.algorithm.update_server_state(
-            self.algorithm_server_state, messages, len(self.clients))
+            self.algorithm_server_state, algorithm_messages, len(self.clients))
+        self.input_state = update_input_state(self.input_state, messages)
         self.round += 1
         return results
 
@@ -242,13 +246,14 @@ class InProcessEngine:
 
     # ---------------------------------------------------------------- evaluation
     @torch.inference_mode()
-    def evaluate_split(self, data: Split) -> tuple[float, float]:
+    def evaluate_split(self, data: Split, prepare=None) -> tuple[float, float]:
         """(accuracy, mean cross-entropy) of the working model on ``data``, in eval mode."""
+        prepare = prepare or self.prepare
         self.model.eval()
         correct, loss_sum = 0, 0.0
         use_bf16 = self.training.precision == "bf16"
         for start in range(0, len(data), self.federation.eval_batch_size):
-            x = self.prepare(data.x[start : start + self.federation.eval_batch_size])
+            x = prepare(data.x[start : start + self.federation.eval_batch_size])
             y = data.y[start : start + self.federation.eval_batch_size]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
                 logits = self.model(x).float()
@@ -260,14 +265,15 @@ class InProcessEngine:
     def evaluate(self, splits: Iterable[str] = ("test", "val")) -> list[Evaluation]:
         """Every evaluation client's metrics with its own model (global state plus its local state)."""
         out: list[Evaluation] = []
+        prepare = self.runner.evaluation_prepare(self.input_state)
         for client in self.eval_clients:
             self.load_client(client.name)
-            self.algorithm.adapt_for_evaluation(self.model, client, self.prepare, self.training.lr)
+            self.algorithm.adapt_for_evaluation(self.model, client, prepare, self.training.lr)
             for split in splits:
                 data = getattr(client, split)
                 if data is None or len(data) == 0:
                     continue
-                acc, loss = self.evaluate_split(data)
+                acc, loss = self.evaluate_split(data, prepare)
                 out.append(Evaluation(client.name, split, acc, loss, len(data)))
         return out
 
@@ -282,6 +288,7 @@ class InProcessEngine:
             "server": self.server.state_dict(),
             "algorithm_server_state": self.algorithm_server_state,
             "algorithm_states": self.algorithm_states,
+            "input_state": self.input_state,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -300,3 +307,4 @@ class InProcessEngine:
         self.server.load_state_dict(state.get("server", {}))
         self.algorithm_server_state = state.get("algorithm_server_state", self.algorithm_server_state)
         self.algorithm_states = state.get("algorithm_states", {})
+        self.input_state = state.get("input_state", {})

@@ -166,6 +166,7 @@ def train_locally(
     schedule: list[torch.Tensor] | None = None,
     algorithm: "ClientAlgorithm | None" = None,
     context: "ClientContext | None" = None,
+    weight_perturbation: float = 0.0,
 ) -> tuple[LocalResult, dict]:
     """Train ``model`` in place on ``data``; return the loss statistics and the optimizer state.
 
@@ -178,7 +179,9 @@ def train_locally(
     statistics and does not update them, while its weight and bias still train. ``schedule`` replaces the
     drawn mini-batches by given index tensors (the union batches of centralized BN). ``algorithm`` with its
     ``context`` adds a client algorithm's hooks (:mod:`fednorm.methods.client_algorithms`); its message to
-    the server is left in ``context.scratch["message"]``.
+    the server is left in ``context.scratch["message"]``. ``weight_perturbation`` > 0 is HarmoFL's alpha:
+    every step's gradient is taken at theta + alpha g/||g|| (:mod:`fednorm.methods.weight_perturbation`),
+    two forward/backward passes per step; both passes update BatchNorm statistics, as the official code.
     """
     model.train()
     if freeze_bn_stats:
@@ -204,6 +207,11 @@ def train_locally(
         schedule = batch_schedule(len(data), cfg, generator, guard_single=has_batchnorm(model) and not freeze_bn_stats)
     # every pass has the same number of batches, so epoch e starts at step e * per_epoch
     per_epoch = len(schedule) // cfg.epochs if cfg.steps is None else len(schedule)
+    perturbation = None
+    if weight_perturbation > 0:
+        from .weight_perturbation import WeightPerturbation
+
+        perturbation = WeightPerturbation(optimizer, alpha=weight_perturbation)
     if algorithm is not None:
         algorithm.on_start(context, model)
     def forward(inputs: torch.Tensor) -> torch.Tensor:
@@ -232,6 +240,19 @@ def train_locally(
             )
         if custom is None:
             loss.backward()
+        if perturbation is not None:
+            perturbation.perturb()
+            optimizer.zero_grad(set_to_none=True)
+            try:
+                again = forward(x)
+                loss_at_delta = F.cross_entropy(again.float(), y)
+                if algorithm is not None:
+                    extra = algorithm.loss_term(context, model, x, y, again)
+                    if extra is not None:
+                        loss_at_delta = loss_at_delta + extra
+                loss_at_delta.backward()
+            finally:
+                perturbation.restore()  # the step starts from theta, with the gradient of theta + delta
         if prox and not (prox_skip_epoch_start and step % per_epoch == 0):
             # gradient of (mu/2)||w - w_g||^2 is mu (w - w_g); added exactly, without building the term
             with torch.no_grad():

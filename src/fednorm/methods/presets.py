@@ -33,6 +33,11 @@ class Method:
     union_batches: bool = False
     server: ServerSpec = ServerSpec()  # the server update (FedAvg's weighted mean by default)
     client: ClientSpec = ClientSpec()  # the client algorithm on top of local SGD (SCAFFOLD, MOON, ...)
+    # HarmoFL (Jiang et al. 2022): weight perturbation radius alpha (0 = off, paper 0.05), usable with any method
+    weight_perturbation: float = 0.0
+    # HarmoFL's amplitude normalization of the inputs: None (off), "full" (the paper: whole spectrum,
+    # decay 0.1) or "code" (the official code: DC coefficient only, running amplitude of the first batch)
+    amplitude_norm: str | None = None
     # the model normalization the method needs (FedWon: "ws", FedAvg+GN: "gn"); None = the config's model.norm
     norm: str | None = None
     # adaptive gradient clipping threshold lambda (FedWon: 0.64 digits, 1.28 Office/DomainNet); 0 = off
@@ -53,6 +58,10 @@ class Method:
             raise ValueError(f"agc_clip must be >= 0 (0 turns AGC off), got {self.agc_clip}")
         if self.freeze_bn_stats_at is not None and self.freeze_bn_stats_at <= 0:
             raise ValueError(f"freeze_bn_stats_at must be > 0, got {self.freeze_bn_stats_at}")
+        if self.weight_perturbation < 0:
+            raise ValueError(f"weight_perturbation must be >= 0 (0 turns it off), got {self.weight_perturbation}")
+        if self.amplitude_norm not in (None, "full", "code"):
+            raise ValueError(f"amplitude_norm must be None, 'full' or 'code', got {self.amplitude_norm!r}")
         if self.pooled and self.union_batches:
             raise ValueError("pooled and union_batches are two different centralized references; pick one")
         if self.prox_schedule not in PROX_SCHEDULES:
@@ -118,6 +127,13 @@ PRESETS: dict[str, Method] = {
                server=ServerSpec("fedadagrad", lr=0.01), paper="Reddi et al. 2021"),
         Method("scaffold", "SCAFFOLD: local steps corrected by the control variates c - c_i (option II)", "shared",
                client=ClientSpec("scaffold"), paper="Karimireddy et al. 2020"),
+        Method("harmofl", "HarmoFL: amplitude normalization of the inputs (averaged after round 1, then frozen) "
+               "and weight perturbation (alpha 0.05) on FedAvg", "shared", weight_perturbation=0.05,
+               amplitude_norm="full", paper="Jiang et al. AAAI 2022"),
+        Method("fedavg_ampnorm", "FedAvg + amplitude normalization (HarmoFL ablation)", "shared",
+               amplitude_norm="full", paper="HarmoFL Table 4"),
+        Method("fedavg_wp", "FedAvg + weight perturbation alpha 0.05 (HarmoFL ablation)", "shared",
+               weight_perturbation=0.05, paper="HarmoFL Table 4"),
         Method("fednova", "FedNova: average of the local updates normalized by each client's step count",
                "shared", server=ServerSpec("fednova"), paper="Wang et al. 2020"),
     ]

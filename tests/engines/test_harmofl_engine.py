@@ -1,0 +1,70 @@
+"""HarmoFL through the engine: weight perturbation in the local step, amplitude normalization's protocol
+(client amplitudes in round 1, averaged, broadcast, frozen, used at evaluation)."""
+
+import torch
+import torch.nn.functional as F
+
+from fednorm.data.domain import normalize_batch
+from fednorm.engines.simulation import Federation, InProcessEngine
+from fednorm.methods import LocalTraining, resolve_method, train_locally
+from fednorm.methods.amplitude import amplitude
+from fednorm.models import DigitCNN
+
+from ..conftest import make_split
+
+TRAIN = LocalTraining(batch_size=8, lr=0.05)
+
+
+def test_weight_perturbation_steps_with_the_gradient_at_theta_plus_delta():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 28 * 28, 10))
+    data = make_split(8, seed=1)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = LocalTraining(steps=1, batch_size=8, lr=0.1)
+    train_locally(model, data, cfg, generator=torch.Generator().manual_seed(0), prepare=normalize_batch,
+                  weight_perturbation=0.05)
+    # by hand: g at theta, delta = alpha g / ||g||, gradient at theta + delta, step from theta
+    ref = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 28 * 28, 10))
+    ref.load_state_dict(start)
+    order = torch.randperm(8, generator=torch.Generator().manual_seed(0))
+    x, y = normalize_batch(data.x[order]), data.y[order]
+    grads = torch.autograd.grad(F.cross_entropy(ref(x), y), list(ref.parameters()))
+    norm = torch.sqrt(sum((g**2).sum() for g in grads))
+    with torch.no_grad():
+        for p, g in zip(ref.parameters(), grads):
+            p.add_(0.05 * g / norm)
+    grads_delta = torch.autograd.grad(F.cross_entropy(ref(x), y), list(ref.parameters()))
+    for (name, value), g in zip(start.items(), grads_delta):
+        torch.testing.assert_close(model.state_dict()[name], value - 0.1 * g, rtol=1e-5, atol=1e-6)
+
+
+def test_amplitude_normalization_protocol(tiny_clients):
+    torch.manual_seed(3)
+    eng = InProcessEngine(DigitCNN(width=0.125), tiny_clients, resolve_method("harmofl"), TRAIN,
+                          Federation(seed=0, channels_last=False), normalize_batch)
+    assert eng.input_state == {}
+    seen = []
+    real = eng.runner.run
+
+    def spy(*args, **kwargs):
+        reply, message, result = real(*args, **kwargs)
+        seen.append(message)
+        return reply, message, result
+
+    eng.runner.run = spy
+    eng.run_round()
+    client_amps = [m["amp.client"] for m in seen]
+    assert len(client_amps) == 3 and not torch.allclose(client_amps[0], client_amps[2])  # brightness-shifted
+    torch.testing.assert_close(eng.input_state["amp.global"], torch.stack(client_amps).mean(0))
+    seen.clear()
+    eng.run_round()
+    assert all("amp.client" not in m for m in seen)  # frozen: nothing more is sent
+    # evaluation normalizes every client's images to the global amplitude (before standardization)
+    prepare = eng.runner.evaluation_prepare(eng.input_state)
+    images = tiny_clients[2].test.x[:4]
+    restored = prepare(images) * 0.5 + 0.5  # undo normalize_batch's (x - 0.5) / 0.5
+    torch.testing.assert_close(amplitude(restored), eng.input_state["amp.global"].expand(4, -1, -1, -1),
+                               rtol=1e-3, atol=1e-3)
+    assert len(eng.evaluate(("test",))) == 3
+    state = eng.state_dict()
+    assert torch.equal(state["input_state"]["amp.global"], eng.input_state["amp.global"])
