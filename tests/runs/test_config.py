@@ -105,3 +105,12 @@ def test_fbn_presets_validate_with_dsgd_settings_and_bad_byzantine_configs_are_r
         load_config("default", ["methods=[centralized_bn]"])
     adam = load_config("default", ["methods=[{name: fedadam, server: {lr: 0.1}}]"]).methods[0].build()
     assert (adam.server.rule, adam.server.lr) == ("fedadam", 0.1)
+
+
+def test_dsgd_pattern_means_one_step_and_a_persistent_optimizer():
+    cfg = load_config("default", ["federation.pattern=dsgd"])
+    assert cfg.training.steps == 1 and cfg.federation.persistent_optimizer
+    with pytest.raises(ConfigError, match="one local step"):
+        load_config("default", ["federation.pattern=dsgd", "training.steps=5"])
+    with pytest.raises(ConfigError, match="momentum"):
+        load_config("default", ["federation.pattern=dsgd", "federation.persistent_optimizer=false"])

@@ -219,6 +219,10 @@ class FederationConfig(_Strict):
         "cross_silo", description="cross_device: stateless clients (methods keeping client state are refused), "
         "the global model evaluated once per domain")
     byzantine: ByzantineConfig = Field(default_factory=ByzantineConfig)
+    pattern: Literal["rounds", "dsgd"] = Field(
+        "rounds", description="rounds: E local epochs (or training.steps) per round, the FedAvg family; dsgd: one "
+        "local step per round from the global model with a persistent client optimizer, so the server's average "
+        "is DSGD's averaged (momentum) gradient step (FBN paper, Algorithm 3)")
 
 
 class ExperimentConfig(_Strict):
@@ -233,6 +237,26 @@ class ExperimentConfig(_Strict):
     paper: dict[str, dict[str, float]] | None = Field(
         None, description="the paper's numbers for this preset: method -> domain -> accuracy (%)"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dsgd(cls, data: Any) -> Any:
+        """``federation.pattern: dsgd`` sets training.steps = 1 and a persistent optimizer, and refuses others."""
+        if not isinstance(data, dict) or (data.get("federation") or {}).get("pattern") != "dsgd":
+            return data
+        data = dict(data)
+        training = dict(data.get("training") or {})
+        federation = dict(data["federation"])
+        if training.get("steps", 1) != 1:
+            raise ValueError(f"federation.pattern dsgd takes one local step per round; training.steps is "
+                             f"{training['steps']} (remove it or use pattern: rounds)")
+        if federation.get("persistent_optimizer") is False:
+            raise ValueError("federation.pattern dsgd keeps each client's momentum across steps; "
+                             "remove persistent_optimizer: false")
+        training["steps"] = 1
+        federation["persistent_optimizer"] = True
+        data["training"], data["federation"] = training, federation
+        return data
 
     @field_validator("methods", mode="before")
     @classmethod
