@@ -166,3 +166,16 @@ def test_label_skew_dsgd_run_with_byzantine_clients_resumes_exactly(tmp_path):
     resumed = resume_run(tmp_path / "cut")
     for a, b in zip(results, resumed):
         assert a.summary["mean_final_test_acc"] == b.summary["mean_final_test_acc"]
+
+
+def test_external_domain_is_reported_per_mode_and_left_out_of_the_average(tmp_path):
+    cfg = tiny_config("methods=[fedavg, fedbn]", "external.domains=[rendered/street]",
+                      "external.modes=[global, test_time_bn]")
+    results = start_run(cfg, tmp_path / "run")
+    for r in results:
+        names = [c["name"] for c in r.summary["clients"]]
+        assert names == ["rendered/print", "rendered/neon", "rendered/street:global", "rendered/street:test_time_bn"]
+        internal = [c["test"]["final_acc"] for c in r.summary["clients"] if not c.get("external")]
+        assert r.summary["mean_final_test_acc"] == sum(internal) / len(internal)
+    text = (tmp_path / "run" / "results.md").read_text()
+    assert "rendered/street:test_time_bn" in text or "street:test_time_bn" in text

@@ -12,12 +12,19 @@ Domain names (``docs/datasets.md`` has the full table):
 * ``cifar10/train``, ``cifar10/test``: one official CIFAR-10 split as a pool (``cifar10/test`` is
   what CIFAR-10-C corrupts);
 * ``corrupt/<corruption>/<severity>/<base domain>``: a base domain corrupted with one of the 15
-  ImageNet-C corruptions (:mod:`fednorm.data.corrupt`).
+  ImageNet-C corruptions (:mod:`fednorm.data.corrupt`);
+* ``<dataset>/<site>`` for the medical datasets of :data:`fednorm.data.medical.MEDICAL_DATASETS`:
+  ``camelyon17/hospital1..5``, ``prostate/BIDMC|HK|I2CVB|ISBI|ISBI_1.5|UCL``,
+  ``nuclei/monusac2020_breast|..|monuseg2018|tnbc``, ``fed_isic2019/bcn|..|vienna_dias`` and
+  ``abide/NYU|USM|UM|UCLA``, read from the files their ``prepare_*`` functions write.
 
 Domains without an official split (digits, rendered, PACS, CIFAR-10 pools) go through the FedBN
 digits protocol (:mod:`fednorm.data.protocol`): stratified 80/20 split, training pool of 7,438,
 ten partitions, ``percent`` of the pool per client. Office-Caltech10 and DomainNet keep FedBN's
-train/test lists and go through its object protocol (:func:`fedbn_object_clients`).
+train/test lists and go through its object protocol (:func:`fedbn_object_clients`). Medical sites
+keep the train/val/test splits of their loaders, one client per site (:func:`medical_clients`):
+nothing is re-split, ``percent`` and ``pool_size`` do not apply, and HarmoFL's truncation of every
+training split to the smallest site's is an option (``truncate_train``).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .domain import ClientData, DataError, Split
+from .domain import ClientData, DataError, Domain, Split
 from .protocol import even_domain_clients, fedbn_domain_clients, fedbn_object_clients
 
 PARTITIONS = ("fedbn", "even")
@@ -63,6 +70,34 @@ class DomainSpec:
     base: "DomainSpec | None" = None  # corrupted domains: the domain they corrupt
     corruption: str | None = None
     severity: int | None = None
+    # what the domain's samples are: "classification" (images with one label), "segmentation" (images with
+    # class masks) or "features" (float vectors with one label: ABIDE); selects the task and the model input
+    task: str = "classification"
+    input_shape: tuple[int, ...] | None = None  # per sample, (C, H, W) or (D,) (medical domains)
+    medical: bool = False  # a site of fednorm.data.medical: official splits, one client per site
+
+
+def medical_file(dataset: str, site: str) -> str:
+    """The data-folder file of one medical site (the one its ``prepare_*`` writes)."""
+    from .medical import abide, camelyon17, isic2019, nuclei, prostate
+
+    files = {"camelyon17": camelyon17.camelyon17_file, "prostate": prostate.prostate_file,
+             "nuclei": nuclei.nuclei_file, "fed_isic2019": isic2019.isic_file,
+             "abide": lambda site: abide.ABIDE_FILE}
+    return files[dataset](site)
+
+
+def _medical_spec(name: str) -> DomainSpec | None:
+    from .medical import MEDICAL_DATASETS
+
+    dataset, _, site = name.partition("/")
+    ds = MEDICAL_DATASETS.get(dataset)
+    if ds is None or site not in ds.sites:
+        return None
+    # image_size 0: feature vectors have no image side (models taking an image size ignore it)
+    size = ds.input_shape[-1] if len(ds.input_shape) == 3 else 0
+    return DomainSpec(name, dataset, ds.num_classes, size, "real", official_split=True,
+                      file=medical_file(dataset, site), task=ds.task, input_shape=tuple(ds.input_shape), medical=True)
 
 
 def parse_domain(name: str) -> DomainSpec:
@@ -80,6 +115,9 @@ def parse_domain(name: str) -> DomainSpec:
 
         corruption, severity, base_name = parse_corrupt_name(name)
         base = parse_domain(base_name)
+        if base.medical:
+            raise ValueError(f"{name!r}: corrupted copies of medical domains are not supported (their shift is "
+                             "the sites' own); use the site itself")
         return DomainSpec(name, base.benchmark, base.num_classes, base.image_size, base.origin, base.official_split,
                           None, base, corruption, severity)
     if name in REAL_DIGIT_DOMAINS:
@@ -90,6 +128,9 @@ def parse_domain(name: str) -> DomainSpec:
         return DomainSpec(name, "pacs", len(PACS_CLASSES), PACS_SIZE, "real", file=PACS_FILE)
     if name.startswith(CIFAR10_PREFIX) and name[len(CIFAR10_PREFIX):] in CIFAR10_SPLITS:
         return DomainSpec(name, "cifar10", len(CIFAR10_CLASSES), 32, "real", file=CIFAR10_FILE)
+    medical = _medical_spec(name)
+    if medical is not None:
+        return medical
     dataset, _, rest = name.partition("/")
     if dataset in OBJECT_DATASETS and rest:
         ds = OBJECT_DATASETS[dataset]
@@ -124,6 +165,7 @@ def known_domains() -> list[str]:
     """Every concrete domain name (object benchmarks at the default size). Corrupted domains are
     formed from these: ``corrupt/<corruption>/<severity>/<domain>``."""
     from .digits import REAL_DIGIT_DOMAINS
+    from .medical import medical_domain_names
     from .objects import OBJECT_DATASETS
     from .pacs import PACS_DOMAINS
     from .rendered import RENDER_STYLES
@@ -131,7 +173,7 @@ def known_domains() -> list[str]:
     return (list(REAL_DIGIT_DOMAINS) + [RENDERED_PREFIX + s for s in RENDER_STYLES]
             + [PACS_PREFIX + d for d in PACS_DOMAINS]
             + [f"{ds.name}/{d}" for ds in OBJECT_DATASETS.values() for d in ds.domains]
-            + [CIFAR10_PREFIX + s for s in CIFAR10_SPLITS])
+            + [CIFAR10_PREFIX + s for s in CIFAR10_SPLITS] + medical_domain_names())
 
 
 def domain_file(domain: str) -> str | None:
@@ -142,6 +184,11 @@ def domain_file(domain: str) -> str | None:
     return spec.file
 
 
+# label names of the medical datasets (segmentation: the mask values); ABIDE: DX_GROUP % 2, 1 = autism
+MEDICAL_CLASS_NAMES = {"camelyon17": ("normal", "tumor"), "prostate": ("background", "prostate"),
+                       "nuclei": ("background", "nucleus"), "abide": ("control", "autism")}
+
+
 def class_names(domain: str) -> tuple[str, ...]:
     """The label names of a domain, in label order."""
     from .cifar10 import CIFAR10_CLASSES
@@ -149,6 +196,12 @@ def class_names(domain: str) -> tuple[str, ...]:
     from .pacs import PACS_CLASSES
 
     benchmark = parse_domain(domain).benchmark
+    if benchmark in MEDICAL_CLASS_NAMES:
+        return MEDICAL_CLASS_NAMES[benchmark]
+    if benchmark == "fed_isic2019":
+        from .medical import ISIC_CLASSES
+
+        return ISIC_CLASSES
     if benchmark == "pacs":
         return PACS_CLASSES
     if benchmark == "cifar10":
@@ -175,6 +228,14 @@ def image_size(domains: list[str]) -> int:
     return sizes.pop()
 
 
+def domain_task(domains: list[str]) -> tuple[str, str]:
+    """``(task, benchmark)`` shared by ``domains``: task ``classification``, ``segmentation`` or ``features``
+    (:attr:`DomainSpec.task`); mixing benchmarks is an error (as :func:`num_classes`)."""
+    num_classes(domains)
+    spec = parse_domain(domains[0])
+    return spec.task, spec.benchmark
+
+
 def check_domain(domain: str) -> str:
     parse_domain(domain)
     return domain
@@ -188,21 +249,29 @@ class LoadedDomain:
     pool: Split | None = None
     train: Split | None = None
     test: Split | None = None
+    val: Split | None = None  # medical sites: their loader's validation split (a SegmentationSplit / FeatureSplit
+    description: str = ""     # for masks and feature vectors, in the three fields above too)
 
     def parts(self) -> list[Split]:
-        return [self.pool] if self.pool is not None else [self.train, self.test]
+        if self.pool is not None:
+            return [self.pool]
+        return [self.train, self.test] if self.val is None else [self.train, self.val, self.test]
 
     def all(self) -> Split:
-        """Every image: the pool, or the train list followed by the test list."""
+        """Every sample: the pool, or the train list followed by the (val and) test list(s)."""
         parts = self.parts()
-        return parts[0] if len(parts) == 1 else Split.concat(parts)
+        return parts[0] if len(parts) == 1 else type(parts[0]).concat(parts)
 
 
 def load_domain(domain: str, *, data_dir: Path | None, rendered_size: int = DEFAULT_RENDERED_SIZE, seed: int = 0,
-                cache: bool = True, progress: bool = False) -> LoadedDomain:
+                cache: bool = True, progress: bool = False, medical_options: dict | None = None) -> LoadedDomain:
     """The images of one domain (uint8 N x 3 x H x W). ``seed`` seeds rendering and corruption;
-    ``cache``/``progress`` apply to corrupted domains (:func:`fednorm.data.corrupt.corrupt_pool`)."""
+    ``cache``/``progress`` apply to corrupted domains (:func:`fednorm.data.corrupt.corrupt_pool`). A medical
+    site comes with its loader's train/val/test splits (``seed`` and ``medical_options`` go to its loader)."""
     spec = parse_domain(domain)
+    if spec.medical:
+        site = load_medical(domain, data_dir=data_dir, seed=seed, options=medical_options)
+        return LoadedDomain(spec, train=site.train, test=site.test, val=site.val, description=site.description)
     if spec.base is not None:
         from .corrupt import corrupt_pool
 
@@ -244,6 +313,114 @@ def load_domain(domain: str, *, data_dir: Path | None, rendered_size: int = DEFA
     return LoadedDomain(spec, pool=Split(*load_digit_pool(domain, data_dir)))
 
 
+def medical_loader_options(domain: str) -> list[str]:
+    """The options the loader of a medical domain takes besides its site, data folder and seed."""
+    import inspect
+
+    from .medical import MEDICAL_DATASETS
+
+    loader = MEDICAL_DATASETS[parse_domain(domain).benchmark].load
+    params = list(inspect.signature(loader).parameters.values())[2:]
+    return [p.name for p in params if p.kind == p.KEYWORD_ONLY and p.name != "seed"]
+
+
+def check_medical_options(domains: list[str], options: dict | None) -> None:
+    """ValueError naming the options that the loaders of ``domains`` do not take."""
+    if not options:
+        return
+    for domain in domains:
+        if not parse_domain(domain).medical:
+            raise ValueError(f"loader options {sorted(options)} apply to medical domains only, not {domain!r}")
+        known = medical_loader_options(domain)
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ValueError(f"{domain!r}: its loader has no option {unknown}; it takes {', '.join(known) or 'none'}"
+                             " (and seed, which is data.split_seed)")
+
+
+def load_medical(domain: str, *, data_dir: Path | None, seed: int = 0, options: dict | None = None) -> Domain:
+    """One medical site's :class:`Domain` with its loader's train/val/test splits (no re-split).
+
+    The data folder must hold the file the site's ``prepare_*`` writes; if it does not, the
+    :class:`DataError` names the file and the preparer to run (the raw data is never downloaded here).
+    """
+    from . import medical
+
+    spec = parse_domain(domain)
+    dataset, site = domain.split("/", 1)
+    prepare = f"fednorm.data.medical.prepare_{dataset}"
+    if data_dir is None:
+        raise DataError(f"domain {domain!r} needs a data folder holding {spec.file}: pass --data-dir DIR or set "
+                        f"FEDNORM_DATA, after writing the file with {prepare}(DATA_DIR)")
+    data_dir = Path(data_dir)
+    path = data_dir / spec.file
+    if not path.is_file():
+        raise DataError(
+            f"domain {domain!r} reads {path}, which is missing (data folder {data_dir}). It is not downloaded by a "
+            f"run: write it with {prepare}(DATA_DIR, raw_dir=...) from the official files (the preparer's docstring "
+            f"and its error messages say what to download and where to put it), e.g. python -c \"from "
+            f"fednorm.data.medical import prepare_{dataset}; prepare_{dataset}('{data_dir}')\"")
+    check_medical_options([domain], options)
+    loaded = medical.load_medical_domain(domain, data_dir, seed=seed, **(options or {}))
+    if len(loaded.train) == 0:
+        raise DataError(f"domain {domain!r}: {path} gives an empty training split; prepare it again")
+    shape = tuple(loaded.train.x.shape[1:])
+    if spec.task != "features" and shape[0] != spec.input_shape[0]:
+        raise DataError(f"domain {domain!r}: {path} holds {shape} samples, expected {spec.input_shape[0]} channels")
+    return loaded
+
+
+def medical_clients(
+    domains: list[str],
+    *,
+    data_dir: Path | None,
+    seed: int = 0,
+    truncate_train: bool | None = None,
+    options: dict | None = None,
+    standardize_features: bool = True,
+    loaded: dict[str, Domain] | None = None,
+) -> list[ClientData]:
+    """One client per medical site, holding the site's own train/val/test splits (no re-split).
+
+    ``truncate_train``: cut every training split to the smallest site's of the same dataset, keeping the
+    first samples in split order (HarmoFL's code: ``Subset(trainset, range(min_len))``); None = the paper's
+    choice per dataset (:attr:`MedicalDataset.truncate_train`: Camelyon17 and prostate yes, nuclei no).
+    ``standardize_features``: feature-vector sites (ABIDE) standardized with their own training mean/std
+    (Fed_ABIDE's per-site ``sepnorm``, the FedBN authors' earlier code), after truncation.
+    """
+    from .medical import MEDICAL_DATASETS, standardize_features as standardize, truncate_train_to_smallest
+
+    specs = [parse_domain(d) for d in domains]
+    if not all(s.medical for s in specs):
+        others = [s.name for s in specs if not s.medical]
+        raise ValueError(f"medical_clients takes medical domains only, got {others}")
+    sites = [loaded[d] if loaded and d in loaded else load_medical(d, data_dir=data_dir, seed=seed, options=options)
+             for d in domains]
+    shapes = {tuple(s.train.x.shape[1:]) for s in sites}
+    if len(shapes) != 1:
+        raise DataError(f"the sites {domains} hold samples of different shapes {sorted(shapes)}; one model (and "
+                        "HarmoFL's average amplitude) needs one size: prepare every site with the same size")
+    before = {d: len(s.train) for d, s in zip(domains, sites)}
+    for benchmark in dict.fromkeys(s.benchmark for s in specs):
+        cut = MEDICAL_DATASETS[benchmark].truncate_train if truncate_train is None else truncate_train
+        if cut:
+            idx = [i for i, s in enumerate(specs) if s.benchmark == benchmark]
+            for i, site in zip(idx, truncate_train_to_smallest([sites[i] for i in idx])):
+                sites[i] = site
+    clients = []
+    for domain, spec, site in zip(domains, specs, sites):
+        train, val, test = site.train, site.val, site.test
+        if spec.task == "features" and standardize_features:
+            train, val, test = standardize(train, val, test)
+        meta = {"protocol": "official splits", "split_seed": seed, "description": site.description,
+                "train_len": before[domain]}
+        if len(train) != before[domain]:
+            meta["truncated_to"] = len(train)
+        clients.append(ClientData(name=domain, domain=domain, train=train, test=test, val=val, origin=site.origin,
+                                  meta=meta))
+    return clients
+
+
 def load_pool(domain: str, *, data_dir: Path | None, rendered_size: int = DEFAULT_RENDERED_SIZE,
               seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """All images and labels of one domain, uint8 N x 3 x H x W (an official split: train then test)."""
@@ -261,6 +438,9 @@ def build_clients(
     split_seed: int = 0,
     rendered_size: int = DEFAULT_RENDERED_SIZE,
     partition: str = "fedbn",
+    truncate_train: bool | None = None,
+    medical_options: dict | None = None,
+    standardize_features: bool = True,
 ) -> list[ClientData]:
     """The clients of a multi-domain federation, in domain order.
 
@@ -272,6 +452,10 @@ def build_clients(
     their pool is the first ``train_fraction`` of the smallest train list among the federation's
     domains of the same benchmark (62 / 105 samples with every domain, as the official code), so
     ``pool_size`` does not apply to them and ``percent=1`` is the papers' setting.
+
+    Medical sites become one client each with their loader's splits (:func:`medical_clients`, which
+    ``truncate_train``, ``medical_options`` and ``standardize_features`` go to); ``percent`` and
+    ``pool_size`` do not apply to them.
     """
     if partition not in PARTITIONS:
         raise ValueError(f"unknown partition {partition!r}; choose one of {', '.join(PARTITIONS)}")
@@ -279,6 +463,17 @@ def build_clients(
         raise ValueError("a federation needs at least one domain")
     if len(set(domains)) != len(domains):
         raise ValueError(f"domains must be distinct, got {domains}")
+    medical = [d for d in domains if parse_domain(d).medical]
+    if medical:
+        if len(medical) != len(domains):
+            raise ValueError(f"medical sites cannot share a federation with other domains, got {domains}")
+        if clients_per_domain != 1 or partition != "fedbn":
+            raise ValueError("medical domains keep their official splits, one client per site: clients_per_domain "
+                             "and partition do not apply to them (leave them at 1 and fedbn)")
+        return medical_clients(domains, data_dir=data_dir, seed=split_seed, truncate_train=truncate_train,
+                               options=medical_options, standardize_features=standardize_features)
+    if truncate_train is not None or medical_options:
+        raise ValueError("truncate_train and medical loader options apply to medical domains only")
     from .objects import OBJECT_DATASETS
 
     loaded = [load_domain(d, data_dir=data_dir, rendered_size=rendered_size, seed=split_seed) for d in domains]
@@ -328,10 +523,11 @@ def domain_eval_clients(clients: list[ClientData]) -> list[ClientData]:
 
 def pooled_client(clients: list[ClientData], name: str = "centralized") -> ClientData:
     """One client holding every client's training data (centralized training, the upper reference)."""
+    kind = type(clients[0].train)  # Split, or a medical SegmentationSplit / FeatureSplit
     return ClientData(
         name=name,
         domain="pooled",
-        train=Split.concat([c.train for c in clients]),
-        test=Split.concat([c.test for c in clients]),
+        train=kind.concat([c.train for c in clients]),
+        test=kind.concat([c.test for c in clients]),
         origin="pooled",
     )

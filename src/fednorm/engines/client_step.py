@@ -65,6 +65,11 @@ class ClientRunner:
         self.algorithm = algorithm or method.client.build()
         self.fbn_layers = federated_bn_layers(model)
 
+    @property
+    def task(self):
+        """The run's task (its loss and evaluation score); it travels inside ``training`` to ``train_locally``."""
+        return self.training.task
+
     def load(self, global_state: dict[str, torch.Tensor], memory: ClientMemory | None) -> None:
         """The client's model: the global entries with its own local entries on top."""
         local = memory.local_state if memory is not None else {}
@@ -88,6 +93,10 @@ class ClientRunner:
             prox_reference = {k: shared_global[k] for k in self.shared_params}
         prepare, normalizer = self.prepare, None
         if self.method.amplitude_norm:
+            if client.train.x.dtype != torch.uint8 or client.train.x.ndim != 4:
+                raise ValueError(f"method {self.method.name!r} normalizes image amplitudes, but client {client.name!r} "
+                                 f"holds {tuple(client.train.x.shape[1:])} {client.train.x.dtype} inputs, not images; "
+                                 "use a method without amplitude_norm for feature vectors")
             normalizer = amplitude_normalizer(self.method.amplitude_norm, (input_state or {}).get("amp.global"))
             normalizer.train()
             prepare = lambda x: self.layout(AmplitudePrepare(normalizer)(x))  # noqa: E731

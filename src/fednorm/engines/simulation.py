@@ -24,6 +24,7 @@ from ..methods.aggregation import client_weights
 from ..methods.local_update import LocalResult, LocalTraining, batch_schedule, has_batchnorm, train_locally
 from ..methods.policy import local_state_keys
 from ..methods.presets import Method
+from ..methods.external import EXTERNAL_MODES, ExternalBN, evaluate_external
 from .client_step import ClientMemory, ClientRunner, RoundInstructions, update_input_state
 from ..methods.server import LocalSchedule, ServerUpdate, Threat
 from ..models.fbn import federated_bn_layers
@@ -66,6 +67,7 @@ class Evaluation:
     accuracy: float
     loss: float
     num_examples: int
+    metric: str = "accuracy"  # what ``accuracy`` holds: the task's main score ("accuracy" or "dice")
 
 
 class InProcessEngine:
@@ -80,7 +82,12 @@ class InProcessEngine:
         federation: Federation,
         prepare: Callable[[torch.Tensor], torch.Tensor],
         eval_clients: list[ClientData] | None = None,
+        external_clients: list[ClientData] | None = None,
+        external_modes: tuple[str, ...] = ("global", "test_time_bn", "fedbn_average"),
+        external_bn: ExternalBN | None = None,
     ) -> None:
+        """``external_clients`` never train; each is evaluated after every round under each of
+        ``external_modes`` (:mod:`fednorm.methods.external`), reported as client ``<name>:<mode>``."""
         if not clients:
             raise ValueError("a federation needs at least one client")
         names = [c.name for c in clients]
@@ -89,6 +96,12 @@ class InProcessEngine:
         self.model = model.to(memory_format=torch.channels_last) if federation.channels_last else model
         self.clients = clients
         self.eval_clients = eval_clients if eval_clients is not None else clients
+        self.external_clients = external_clients or []
+        self.external_modes = tuple(external_modes)
+        self.external_bn = external_bn or ExternalBN()
+        for mode in self.external_modes:
+            if mode not in EXTERNAL_MODES:
+                raise ValueError(f"unknown external evaluation mode {mode!r}; choose from {', '.join(EXTERNAL_MODES)}")
         self.method = method
         self.training = training
         self.federation = federation
@@ -247,18 +260,21 @@ class InProcessEngine:
     # ---------------------------------------------------------------- evaluation
     @torch.inference_mode()
     def evaluate_split(self, data: Split, prepare=None) -> tuple[float, float]:
-        """(accuracy, mean cross-entropy) of the working model on ``data``, in eval mode."""
+        """(main score, mean loss) of the working model on ``data``, in eval mode: accuracy and cross-entropy for
+        classification, mean per-image Dice and the task's loss for segmentation (``training.task``)."""
         prepare = prepare or self.prepare
+        task = self.training.task
         self.model.eval()
         correct, loss_sum = 0, 0.0
         use_bf16 = self.training.precision == "bf16"
         for start in range(0, len(data), self.federation.eval_batch_size):
             x = prepare(data.x[start : start + self.federation.eval_batch_size])
-            y = data.y[start : start + self.federation.eval_batch_size]
+            y = task.target(data.y[start : start + self.federation.eval_batch_size])
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
                 logits = self.model(x).float()
-            loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
-            correct += int((logits.argmax(1) == y).sum())
+            score, loss = task.evaluation_sums(logits, y)
+            loss_sum += loss
+            correct += score
         n = max(len(data), 1)
         return correct / n, loss_sum / n
 
@@ -269,12 +285,48 @@ class InProcessEngine:
         for client in self.eval_clients:
             self.load_client(client.name)
             self.algorithm.adapt_for_evaluation(self.model, client, prepare, self.training.lr)
+            # samples a client adapted on before testing (Per-FedAvg) are left out of its metrics
+            held = self.algorithm.evaluation_holdout(client)
             for split in splits:
                 data = getattr(client, split)
+                if data is not None and split in held:
+                    keep = torch.ones(len(data), dtype=torch.bool)
+                    keep[held[split]] = False
+                    data = data.subset(keep.nonzero().flatten())
                 if data is None or len(data) == 0:
                     continue
                 acc, loss = self.evaluate_split(data, prepare)
-                out.append(Evaluation(client.name, split, acc, loss, len(data)))
+                out.append(Evaluation(client.name, split, acc, loss, len(data), self.training.task.metric))
+        if "test" in splits:
+            out += self.evaluate_external(prepare)
+        return out
+
+    def evaluate_external(self, prepare=None) -> list[Evaluation]:
+        """Every external client (never trained) under every external mode, from the global model."""
+        prepare = prepare or self.runner.evaluation_prepare(self.input_state)
+        has_bn = has_batchnorm(self.model)
+        # the internal clients' BN affine parameters for fedbn_average: their local states where BN is local,
+        # else the global model's (already the average)
+        states = [self.local_states[c.name] for c in self.clients if c.name in self.local_states] or [self.global_state]
+        out: list[Evaluation] = []
+        for client in self.external_clients:
+            for mode in self.external_modes:
+                if mode != "global" and not has_bn:
+                    continue  # test-time BN statistics need BatchNorm layers
+                self.model.load_state_dict(self.global_state)
+                self.algorithm.adapt_for_evaluation(self.model, client, prepare, self.training.lr)
+                data = client.test
+                held = self.algorithm.evaluation_holdout(client).get("test")
+                if held is not None:
+                    keep = torch.ones(len(data), dtype=torch.bool)
+                    keep[held] = False
+                    data = data.subset(keep.nonzero().flatten())
+                if len(data) == 0:
+                    continue
+                result = evaluate_external(self.model, data, prepare, mode, self.external_bn, states,
+                                           eval_batch_size=self.federation.eval_batch_size)
+                out.append(Evaluation(f"{client.name}:{mode}", "test", result.accuracy, result.loss,
+                                      result.num_examples))
         return out
 
     # ---------------------------------------------------------------- checkpoints

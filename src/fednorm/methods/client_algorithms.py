@@ -82,7 +82,8 @@ class ClientSpec:
         if self.perfedavg_delta <= 0:
             raise ValueError(f"perfedavg_delta must be > 0, got {self.perfedavg_delta}")
         if self.perfedavg_eval_steps < 0:
-            raise ValueError(f"perfedavg_eval_steps must be >= 0 (0 = no personalization), got {self.perfedavg_eval_steps}")
+            raise ValueError("perfedavg_eval_steps must be >= 0 (0 = no personalization), "
+                             f"got {self.perfedavg_eval_steps}")
         if self.perfedavg_eval_batch < 1:
             raise ValueError(f"perfedavg_eval_batch must be >= 1, got {self.perfedavg_eval_batch}")
         if self.perfedavg_eval_data not in PERFEDAVG_EVAL_DATA:
@@ -347,7 +348,7 @@ class Moon(ClientAlgorithm):
 
 
 class FedDC(Scaffold):
-    """FedDC (Gao et al. CVPR 2022, Algorithm 1, and the official code ``train_FedDC`` / ``train_model_FedDC``).
+    """FedDC (Gao et al. CVPR 2022), as in its official code (``train_FedDC`` / ``train_model_FedDC``).
 
     The client keeps a drift h_i and a gradient-correction state g_i; the server keeps g (the mean of the g_i).
     Each local step minimizes f_i(theta_i) + (alpha/2)||theta_i + h_i - theta||^2 + <theta_i, g - g_i>, i.e. the
@@ -359,12 +360,13 @@ class FedDC(Scaffold):
     client sends theta_i + h_i (with the updated h_i, as the code) for the server's weighted mean.
     h_i, g_i and g start at zero and cover the shared parameters only (client-specific BN gets plain SGD).
 
-    Differences from the official code, named: (1) the code aggregates mean_{i in S}(theta_i) + mean_{all i}(h_i),
-    which equals the mean of theta_i + h_i under full participation only; here the server averages what each
-    participant sends (the paper's Algorithm 1); (2) the code scales alpha and g by the client-size weight
-    n_i / mean(n) (1 for equal sizes); here uniform; (3) the code's K is the number of local steps of an
-    average-size client, here each client's own step count; (4) the code clips gradients at norm 10 (not part
-    of the method: use the training config).
+    Differences from the official code, named: (1) the code aggregates mean_{i in S}(theta_i) + mean_{all i}(h_i)
+    (uniform means), which equals the mean of theta_i + h_i under full participation only; here the server
+    averages what each participant sends (theta_i + h_i, the upload FedDC describes; its paper's text was not at
+    hand to check Algorithm 1's exact server formula) with the federation's weighting ("uniform" = the code's); (2) with the client-size weight w_i = n_i / mean(n) (1 for equal sizes)
+    the code uses alpha / w_i and g / w_i on client i and sends w_i Delta g_i; here w_i = 1; (3) the code's K is
+    the number of local steps of an average-size client, here each client's own step count; (4) the code clips
+    gradients at norm 10 (not part of the method: use the training config).
     """
 
     stateful = True

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..data.domain import Split
 from .agc import agc_parameters, clip_unitwise_
 from .client_algorithms import ClientAlgorithm, ClientContext
+from .tasks import CLASSIFICATION, Task
 
 
 PRECISIONS = ("fp32", "bf16")
@@ -72,6 +72,9 @@ class LocalTraining:
     momentum_style: str = "pytorch"
     # FBN Table 2's step schedule: lr / (1 + floor(round / lr_decay_every)) (0.1, 0.05, 0.033 every 1000 steps)
     lr_decay_every: int | None = None
+    # the loss (and evaluation score) of the run's task: cross-entropy for classification, a Dice loss or CE +
+    # Dice for segmentation (:mod:`fednorm.methods.tasks`)
+    task: Task = CLASSIFICATION
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -220,12 +223,12 @@ def train_locally(
 
     for step, index in enumerate(schedule):
         x = prepare(data.x[index])
-        y = data.y[index]
+        y = cfg.task.target(data.y[index])  # segmentation masks: uint8 -> int64, one batch at a time
         optimizer.zero_grad(set_to_none=True)
         custom = algorithm.compute_gradients(context, model, x, y, forward) if algorithm is not None else None
         if custom is None:
             logits = forward(x)
-            loss = F.cross_entropy(logits.float(), y)
+            loss = cfg.task.loss(logits, y)
             if algorithm is not None:
                 extra = algorithm.loss_term(context, model, x, y, logits)
                 if extra is not None:
@@ -245,7 +248,7 @@ def train_locally(
             optimizer.zero_grad(set_to_none=True)
             try:
                 again = forward(x)
-                loss_at_delta = F.cross_entropy(again.float(), y)
+                loss_at_delta = cfg.task.loss(again, y)
                 if algorithm is not None:
                     extra = algorithm.loss_term(context, model, x, y, again)
                     if extra is not None:

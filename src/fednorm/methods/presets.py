@@ -134,6 +134,15 @@ PRESETS: dict[str, Method] = {
                amplitude_norm="full", paper="HarmoFL Table 4"),
         Method("fedavg_wp", "FedAvg + weight perturbation alpha 0.05 (HarmoFL ablation)", "shared",
                weight_perturbation=0.05, paper="HarmoFL Table 4"),
+        Method("moon", "MOON: cross-entropy plus mu * model-contrastive loss pulling z to the global model's and "
+               "away from the previous local model's representation (mu 1, tau 0.5)", "shared",
+               client=ClientSpec("moon"), paper="Li, He, Song CVPR 2021"),
+        Method("feddc", "FedDC: local drift h_i, penalty (alpha/2)||theta_i + h_i - theta||^2 plus SCAFFOLD-style "
+               "gradient correction; clients send theta_i + h_i (alpha 0.01)", "shared", client=ClientSpec("feddc"),
+               paper="Gao et al. CVPR 2022"),
+        Method("perfedavg", "Per-FedAvg (FO): MAML step on the two halves of each batch (alpha 0.01, beta = lr); "
+               "one SGD step with alpha on 32 labelled test samples before evaluation", "shared",
+               client=ClientSpec("perfedavg"), paper="Fallah et al. NeurIPS 2020"),
         Method("fednova", "FedNova: average of the local updates normalized by each client's step count",
                "shared", server=ServerSpec("fednova"), paper="Wang et al. 2020"),
     ]

@@ -196,6 +196,38 @@ class ServerUpdate:
                 d = (self._global[k].to(torch.float64) - reply.state[k].to(torch.float64)) * (reply.weight / a)
                 self._nova[k] = d if k not in self._nova else self._nova[k].add_(d)
 
+    def validate(self, reply: ClientReply) -> None:
+        """Raise :class:`UpdateError` if ``reply`` cannot be aggregated this round: missing or unexpected
+        entries, a wrong shape or dtype, NaN or Inf values, no FBN batch size, no step count for FedNova.
+        Changes nothing, so an engine can check every reply of a round before adding any (``add`` may
+        have summed part of a reply when it fails). Call it between ``begin`` and ``finish``."""
+        if not hasattr(self, "_mean"):
+            raise RuntimeError("ServerUpdate.validate needs the round's global state: call begin() first")
+        who = f"client {reply.client!r}"
+        missing = [k for k in self.keys if k not in reply.state]
+        extra = sorted(set(reply.state) - set(self.keys))
+        if missing or extra:
+            raise UpdateError(f"{who} sent the wrong entries: missing {missing[:5]}, unexpected {extra[:5]}")
+        for k in self.keys:
+            v, ref = reply.state[k], self._global[k]
+            if not isinstance(v, Tensor):
+                raise UpdateError(f"{who} sent {k!r} as {type(v).__name__}, expected a tensor")
+            if v.shape != ref.shape:
+                raise UpdateError(f"{who} sent {k!r} with shape {tuple(v.shape)}, expected {tuple(ref.shape)}")
+            if v.dtype != ref.dtype:
+                raise UpdateError(f"{who} sent {k!r} as {v.dtype}, expected {ref.dtype}")
+            if v.is_floating_point() and not torch.isfinite(v).all():
+                raise UpdateError(f"{who} sent non-finite values in {k!r} (NaN or inf): its local training "
+                                  "diverged; lower the learning rate or check its data")
+        for prefix in self.fbn_layers:
+            count = reply.bn_counts.get(prefix)
+            if not isinstance(count, int) or count <= 0:
+                raise UpdateError(f"{who} sent no batch size for its FBN layer {prefix!r}")
+        if self.spec.rule == "fednova" and (not isinstance(reply.num_steps, int) or reply.num_steps <= 0):
+            raise UpdateError(f"{who} sent {reply.num_steps!r} local steps; FedNova needs a positive count")
+        if not math.isfinite(reply.weight) or reply.weight <= 0:
+            raise UpdateError(f"{who} has aggregation weight {reply.weight!r}; expected a positive number")
+
     def finish(self) -> dict[str, Tensor]:
         if self.collecting:
             return self._finish_collected()

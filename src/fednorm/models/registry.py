@@ -23,11 +23,13 @@ _BUILDERS: dict[str, tuple[str, str]] = {
     "unet": ("unet", "UNet"),                    # HarmoFL U-Net (official code layout), segmentation, side % 16 == 0
     "densenet121": ("densenet", "densenet121"),  # torchvision DenseNet-121 (HarmoFL Camelyon17, 2 classes, 96 x 96)
     "fbn_cnn": ("fbn_cnn", "FBNCNN"),            # FBN paper Table 1 (Conv-ReLU-BN), 3 x 32 x 32 (28 for digits)
+    "mlp": ("mlp", "MLP"),                       # FedBN ABIDE I: FC-16-BN-ReLU, FC-16-BN-ReLU, FC (feature vectors)
 }
 MODEL_NAMES = tuple(_BUILDERS)
-_OPTIONAL_DEFAULTS = {"classifier": "fedbn", "width": 1.0}
-# facts about the data that a model may need (the FBN CNN's flatten size); dropped for models without them
-_CONTEXT_OPTIONS = ("image_size",)
+_OPTIONAL_DEFAULTS = {"classifier": "fedbn", "width": 1.0, "bn_mode": "running"}
+# facts about the data that a model may need (the FBN CNN's flatten size, the MLP's input length); dropped for
+# models without them
+_CONTEXT_OPTIONS = ("image_size", "in_features")
 
 
 def model_builder(name: str) -> Callable[..., nn.Module]:

@@ -14,13 +14,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..data.federation import check_domain, image_size, num_classes
+from ..data.federation import check_domain, check_medical_options, domain_task, image_size, num_classes, parse_domain
 from ..methods.aggregation import WEIGHTINGS
 from ..methods.local_update import LocalTraining, native_bf16, resolve_precision
 from ..methods.policy import POLICIES
 from ..methods.presets import PRESETS, Method, resolve_method
 from ..methods.robust import ATTACKS
 from ..methods.server import SERVER_RULES
+from ..methods.tasks import DICE_BACKGROUND, LOSSES, Task, build_task
 from ..models.norm import BATCHNORM_KINDS, NORM_KINDS
 from ..models.registry import MODEL_NAMES, build_model
 from ..models.wsconv import WSConv2d
@@ -55,6 +56,15 @@ class DataConfig(_Strict):
     split_seed: int = Field(0, description="seed of the stratified split (fixed across runs, as FedBN)")
     rendered_size: int = Field(9298, ge=20, description="images rendered per rendered domain")
     data_dir: str | None = Field(None, description="data folder; else --data-dir, FEDNORM_DATA, user cache")
+    truncate_train: bool | None = Field(
+        None, description="medical domains: cut every site's training split to the smallest site's (first samples, "
+        "as HarmoFL's code); null = the paper's choice per dataset (Camelyon17 and prostate yes, nuclei no)")
+    medical_options: dict[str, Any] = Field(
+        default_factory=dict, description="medical domains: options of the sites' loader, e.g. {split_by: slide} "
+        "(Camelyon17), {fold: 1} (ABIDE), {val_fraction: 0.1} (Fed-ISIC2019); its seed is split_seed")
+    standardize_features: bool = Field(
+        True, description="feature-vector domains (ABIDE): standardize each site with its own training mean/std "
+        "(Fed_ABIDE's per-site sepnorm)")
 
     @model_validator(mode="after")
     def _partition_fits(self) -> "DataConfig":
@@ -84,13 +94,19 @@ class ModelConfig(_Strict):
     width: float = Field(1.0, gt=0, le=4)
     ws_variance: Literal["unbiased", "biased"] = Field(
         "unbiased", description="WSConv variance: unbiased as FedWon's Listing 1 (torch.var), biased as its Eq. 3")
+    bn_mode: Literal["running", "batch"] = Field(
+        "running", description="unet / densenet121 only: batch = HarmoFL code's BatchNorm (no affine, batch statistics "
+        "at evaluation too; no BN state for FedBN to keep local); running = the usual BatchNorm")
 
-    def build(self, norm: str | None = None, num_classes: int = 10, image_size: int | None = None):
+    def build(self, norm: str | None = None, num_classes: int = 10, image_size: int | None = None,
+              in_features: int | None = None):
         """The model, with ``norm`` (a method's own normalization) in place of ``self.norm`` if given;
-        ``image_size`` reaches the models whose layers depend on it (the FBN CNN)."""
+        ``image_size`` reaches the models whose layers depend on it (the FBN CNN), ``in_features`` the MLP."""
         context = {"image_size": image_size} if image_size else {}
+        if in_features:
+            context["in_features"] = in_features
         model = build_model(self.name, num_classes=num_classes, norm=norm or self.norm, classifier=self.classifier,
-                            width=self.width, **context)
+                            width=self.width, bn_mode=self.bn_mode, **context)
         for module in model.modules():
             if isinstance(module, WSConv2d):
                 module.variance = self.ws_variance
@@ -125,12 +141,25 @@ class MethodConfig(_Strict):
     server: ServerConfig | None = Field(None, description="server update overrides (rule, lr, momentum, ...)")
     client: dict[str, Any] | None = Field(None, description="client algorithm overrides (name, scaffold_option, ...; "
                                           "the fields of fednorm.methods.client_algorithms.ClientSpec)")
+    weight_perturbation: float | None = Field(
+        None, ge=0, description="HarmoFL's weight perturbation alpha (0 = off; harmofl's preset 0.05)")
+    amplitude_norm: Literal["full", "code", "off"] | None = Field(
+        None, description="HarmoFL's amplitude normalization: full (the paper's whole spectrum), code (the official "
+        "code's DC-only swap) or off")
 
     @field_validator("name")
     @classmethod
     def _preset(cls, value: str) -> str:
         if value not in PRESETS:
             raise ValueError(f"unknown method {value!r}; choose one of {', '.join(PRESETS)}")
+        return value
+
+    @field_validator("amplitude_norm", mode="before")
+    @classmethod
+    def _amplitude_switch(cls, value: Any) -> Any:
+        # YAML reads a bare `off` as false (and `on` as true): accept the booleans as off / full
+        if isinstance(value, bool):
+            return "full" if value else "off"
         return value
 
     @field_validator("policy")
@@ -159,13 +188,20 @@ class MethodConfig(_Strict):
         return self.label or self.name
 
     def build(self) -> Method:
-        return resolve_method(
+        method = resolve_method(
             self.name, policy=self.policy, prox_mu=self.prox_mu, prox_schedule=self.prox_schedule, norm=self.norm,
             agc_clip=self.agc_clip, agc_exclude_head=self.agc_exclude_head,
             freeze_bn_stats_at=self.freeze_bn_stats_at,
             server=self.server.model_dump(exclude_none=True) if self.server else None,
             client=self.client,
+            weight_perturbation=self.weight_perturbation,
+            amplitude_norm=None if self.amplitude_norm == "off" else self.amplitude_norm,
         )
+        if self.amplitude_norm == "off" and method.amplitude_norm is not None:
+            from dataclasses import replace
+
+            method = replace(method, amplitude_norm=None)  # resolve_method ignores None: switch it off here
+        return method
 
 
 class TrainingConfig(_Strict):
@@ -181,9 +217,21 @@ class TrainingConfig(_Strict):
     lr_decay_every: int | None = Field(None, ge=1, description="lr / (1 + floor(round / lr_decay_every)) (FBN)")
     precision: Literal["fp32", "bf16", "auto"] = Field(
         "fp32", description="auto: bf16 autocast where the CPU has native bf16 (AMX / AVX512-BF16), else fp32")
+    loss: Literal[("auto",) + LOSSES] = Field(  # type: ignore[valid-type]
+        "auto", description="auto: ce for classification, the paper's loss for segmentation (nuclei dice, prostate "
+        "ce_dice); ce, dice (soft Dice incl. background) or ce_dice ((CE + Dice) / 2) for segmentation")
+    dice_background: Literal[DICE_BACKGROUND] = Field(  # type: ignore[valid-type]
+        "exclude", description="segmentation Dice score: exclude (foreground Dice, default), include (mean with the "
+        "background), code (HarmoFL code's dice_coef exactly)")
 
-    def build(self) -> LocalTraining:
+    def build(self, task: Task | None = None) -> LocalTraining:
+        """The local training, with ``task`` (:meth:`ExperimentConfig.task`, which knows the domains); without
+        one, a Dice loss means segmentation and anything else classification."""
         values = self.model_dump()
+        loss, background = values.pop("loss"), values.pop("dice_background")
+        if task is None:
+            task = build_task("segmentation" if loss in ("dice", "ce_dice") else "classification", loss, background)
+        values["task"] = task
         values["precision"] = resolve_precision(self.precision)
         if values["precision"] == "bf16" and not native_bf16():
             warnings.warn(
@@ -215,6 +263,8 @@ class FederationConfig(_Strict):
     eval_every: int = Field(1, ge=1)
     checkpoint_every: int = Field(1, ge=1)
     channels_last: bool = True
+    eval_batch_size: int = Field(500, ge=1, description="samples per evaluation batch (lower it for large images: "
+                                 "a 384 x 384 U-Net)")
     setting: Literal["cross_silo", "cross_device"] = Field(
         "cross_silo", description="cross_device: stateless clients (methods keeping client state are refused), "
         "the global model evaluated once per domain")
@@ -223,6 +273,35 @@ class FederationConfig(_Strict):
         "rounds", description="rounds: E local epochs (or training.steps) per round, the FedAvg family; dsgd: one "
         "local step per round from the global model with a persistent client optimizer, so the server's average "
         "is DSGD's averaged (momentum) gradient step (FBN paper, Algorithm 3)")
+
+
+class ExternalConfig(_Strict):
+    """External clients (UniFed, FedBN App. G): domains that never train, evaluated under each mode."""
+
+    domains: list[str] = Field(default_factory=list, description="domains of the external clients (their test "
+                               "splits; e.g. the held-out domain of a leave-one-domain-out run)")
+    modes: list[Literal["global", "test_time_bn", "fedbn_average"]] = Field(
+        default_factory=lambda: ["global", "test_time_bn", "fedbn_average"], min_length=1)
+    batch_size: int = Field(32, ge=1, description="test batch size of test-time BN statistics (UniFed)")
+    momentum: float | None = Field(0.9, ge=0, le=1, description="test-time BN momentum; null: population "
+                                   "statistics over one pass")
+    convention: Literal["history", "pytorch"] = "history"
+    reset: bool = True
+    predict: Literal["online", "after_pass"] = "online"
+    shuffle_seed: int | None = None
+
+    @field_validator("domains")
+    @classmethod
+    def _known_external(cls, value: list[str]) -> list[str]:
+        for d in value:
+            check_domain(d)
+        return value
+
+    def bn(self):
+        from ..methods.external import ExternalBN
+
+        return ExternalBN(batch_size=self.batch_size, momentum=self.momentum, convention=self.convention,
+                          reset=self.reset, predict=self.predict, shuffle_seed=self.shuffle_seed)
 
 
 class ExperimentConfig(_Strict):
@@ -234,9 +313,66 @@ class ExperimentConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     federation: FederationConfig = Field(default_factory=FederationConfig)
+    external: ExternalConfig = Field(default_factory=ExternalConfig)
     paper: dict[str, dict[str, float]] | None = Field(
-        None, description="the paper's numbers for this preset: method -> domain -> accuracy (%)"
+        None, description="the paper's numbers for this preset: method -> domain -> accuracy (%) (Dice (%) for "
+        "segmentation)"
     )
+
+    def task(self) -> Task:
+        """The run's task: segmentation when the domains hold masks (prostate, nuclei), else classification
+        (images or feature vectors); its loss from ``training.loss`` (see :func:`fednorm.methods.tasks.build_task`)."""
+        kind, benchmark = domain_task(self.data.domains)
+        return build_task("segmentation" if kind == "segmentation" else "classification", self.training.loss,
+                          self.training.dice_background, benchmark)
+
+    def _check_task(self) -> None:
+        """Data, task, model and methods fit together (medical domains, segmentation, feature vectors)."""
+        specs = [parse_domain(d) for d in self.data.domains]
+        kind = specs[0].task
+        try:
+            task = self.task()
+        except ValueError as exc:
+            raise ValueError(f"training.loss: {exc}") from None
+        medical = any(s.medical for s in specs)
+        d = self.data
+        if medical:
+            if d.partition != "fedbn" or d.clients_per_domain != 1:
+                raise ValueError("data: medical domains keep their official splits, one client per site; "
+                                 "partition and clients_per_domain do not apply (leave them at fedbn and 1)")
+            if d.test_domain:
+                raise ValueError("data.test_domain: medical sites are tested on their own test splits")
+            try:
+                check_medical_options(d.domains, d.medical_options)
+            except ValueError as exc:
+                raise ValueError(f"data.medical_options: {exc}") from None
+        elif d.truncate_train is not None or d.medical_options:
+            raise ValueError("data.truncate_train and data.medical_options apply to medical domains only")
+        if kind == "features" and self.model.name != "mlp":
+            raise ValueError(f"the domains hold feature vectors ({specs[0].benchmark}): use model.name mlp, "
+                             f"not {self.model.name}")
+        if kind != "features" and self.model.name == "mlp":
+            raise ValueError("model mlp takes feature vectors (abide/<site>); image domains need an image model")
+        if (kind == "segmentation") != (self.model.name == "unet"):
+            raise ValueError(f"model {self.model.name} does not fit the {task.kind} domains: segmentation "
+                             "(prostate, nuclei) needs model.name unet, and unet only does segmentation")
+        for m in self.methods:
+            method = m.build()
+            spec = method.client
+            if method.amplitude_norm and kind == "features":
+                raise ValueError(f"method {m.display!r} normalizes image amplitudes (HarmoFL); feature vectors "
+                                 "have none: set amplitude_norm: off or choose another method")
+            if kind != "classification" and method.union_batches:
+                raise ValueError(f"method {m.display!r} merges the clients' batches, for image classification only")
+            if task.kind == "segmentation":
+                # these client algorithms compute a classification cross-entropy of their own (client_algorithms.py)
+                if spec.name == "perfedavg" or (spec.name in ("scaffold", "feddc") and spec.scaffold_option == "I"):
+                    raise ValueError(f"method {m.display!r}: client algorithm {spec.name!r} computes its own "
+                                     "classification loss, not the segmentation task's; use another")
+                if spec.name == "moon" and spec.moon_layer is None:
+                    raise ValueError(f"method {m.display!r}: MOON's representation is the input of the last "
+                                     "nn.Linear, which the U-Net has none of; set client.moon_layer (e.g. upconvs.0: "
+                                     "the bottleneck's output)")
 
     @model_validator(mode="before")
     @classmethod
@@ -295,6 +431,7 @@ class ExperimentConfig(_Strict):
             num_classes(self.data.domains)
         except ValueError as exc:
             raise ValueError(f"data.domains: {exc}") from None
+        self._check_task()
         if self.model.name == "digit_cnn" and size != 28:
             raise ValueError(f"model digit_cnn takes 28 x 28 digits; domains of {size} x {size} need alexnet, "
                              "resnet18, resnet20 or mobilenet_v2")

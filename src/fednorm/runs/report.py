@@ -1,6 +1,6 @@
 """Results tables in the papers' layout: one row per method, one column per client, mean (std) over seeds.
 
-Accuracy is in percent. The std is over seeds (numpy's default, ddof=0); the ``Avg`` column is the
+Accuracy (Dice for segmentation runs: the ``metric`` their summaries name) is in percent. The std is over seeds (numpy's default, ddof=0); the ``Avg`` column is the
 mean over clients within each seed, then mean (std) over seeds. Domains that are not real data are
 marked with a dagger and a footnote. Where the run's config carries the paper's numbers, a
 ``paper`` row follows each method with them.
@@ -27,6 +27,11 @@ class ResultsTable:
     seeds: dict[str, list[int]] = field(default_factory=dict)
     paper: dict[str, dict[str, float]] = field(default_factory=dict)
     metric: str = "final_acc"
+    score: str = "accuracy"  # what the numbers are: the cells' task metric (accuracy, dice; "score" if mixed)
+
+    @property
+    def score_label(self) -> str:
+        return {"dice": "Dice"}.get(self.score, self.score)
 
     def cell(self, method: str, column: str) -> tuple[float, float, int] | None:
         values = self.rows.get(method, {}).get(column)
@@ -41,7 +46,7 @@ class ResultsTable:
         return column.removeprefix("rendered/") + DAGGER
 
     def to_dict(self) -> dict:
-        out = {"metric": self.metric, "columns": self.columns, "methods": {}}
+        out = {"metric": self.metric, "score": self.score, "columns": self.columns, "methods": {}}
         for method in self.rows:
             out["methods"][method] = {
                 "seeds": self.seeds[method],
@@ -87,6 +92,8 @@ def build_table(summaries: list[dict], paper: dict | None = None, metric: str = 
     columns: list[str] = []
     origins: dict[str, str] = {}
     table = ResultsTable(columns=columns, origins=origins, metric=metric)
+    scores = {s.get("metric", "accuracy") for s in summaries}  # summaries before tasks existed: accuracy
+    table.score = scores.pop() if len(scores) == 1 else "score"
     for s in summaries:
         method = s["method"]
         if s["seed"] in table.seeds.get(method, []):
@@ -102,7 +109,8 @@ def build_table(summaries: list[dict], paper: dict | None = None, metric: str = 
                 origins[c["name"]] = c.get("origin", "real")
             acc = c["test"][metric]
             row.setdefault(c["name"], []).append(acc)
-            accs.append(acc)
+            if not c.get("external"):  # Avg is over the internal clients; external ones are their own columns
+                accs.append(acc)
         if accs:
             row.setdefault("Avg", []).append(float(np.mean(accs)))
     if paper:
@@ -122,8 +130,8 @@ def write_run_report(run_dir: Path, config, results) -> ResultsTable:
     from .plots import plot_comparison
 
     table = build_table([r.summary for r in results], paper=config.paper)
-    title = f"# {config.name}\n\n{config.description}\n\nTest accuracy (%) after round {config.federation.rounds}, " \
-            f"mean (std) over seeds.\n\n"
+    title = f"# {config.name}\n\n{config.description}\n\nTest {table.score_label} (%) after round " \
+            f"{config.federation.rounds}, mean (std) over seeds.\n\n"
     (Path(run_dir) / "results.md").write_text(title + table.markdown())
     store.write_json(Path(run_dir) / "results.json", table.to_dict())
     plot_comparison(run_dir, [(r.label, r.seed) for r in results])

@@ -23,6 +23,7 @@ from ..data.federation import (build_clients, domain_eval_clients, image_size, i
 from ..data.partition import LABEL_SKEW_SCHEMES, label_skew_clients
 from ..methods.server import Threat
 from ..methods.local_update import resolve_precision
+from ..methods.tasks import prepare_features
 from ..engines.simulation import Federation, InProcessEngine, derive_seed
 from . import store
 from .config import ExperimentConfig, MethodConfig, validate
@@ -31,6 +32,9 @@ _INIT_STREAM = 3
 RUN_INFO_FILE = "run.json"
 
 ProgressFn = Callable[[str, int, int, int, dict], None]  # (method label, seed, round, rounds, last metrics)
+# how a cell gets its engine: build_engine (in this process) or another engine with the same round interface
+# (round, run_round, evaluate, state_dict, load_state_dict), e.g. fednorm.engines.flower's
+EngineBuilder = Callable[[ExperimentConfig, MethodConfig, int, list[ClientData]], object]
 
 
 class RunError(RuntimeError):
@@ -49,6 +53,24 @@ def _needs_data_folder(config: ExperimentConfig) -> bool:
 
 
 def build_federation_data(config: ExperimentConfig, data_dir: Path | None) -> list[ClientData]:
+    """The federation's clients, followed by its external clients (``meta["external"]``, never trained)."""
+    internal = _build_internal(config, data_dir)
+    if not config.external.domains:
+        return internal
+    d = config.data
+    external = build_clients(config.external.domains, data_dir=data_dir, percent=d.percent, pool_size=d.pool_size,
+                             split_seed=d.split_seed, rendered_size=d.rendered_size)
+    for c in external:
+        c.meta["external"] = True
+    return internal + external
+
+
+def split_external(clients: list[ClientData]) -> tuple[list[ClientData], list[ClientData]]:
+    """(internal clients, external clients) of a federation built by :func:`build_federation_data`."""
+    return ([c for c in clients if not c.meta.get("external")], [c for c in clients if c.meta.get("external")])
+
+
+def _build_internal(config: ExperimentConfig, data_dir: Path | None) -> list[ClientData]:
     d = config.data
     if d.partition in LABEL_SKEW_SCHEMES:
         clients: list[ClientData] = []
@@ -72,6 +94,9 @@ def build_federation_data(config: ExperimentConfig, data_dir: Path | None) -> li
         split_seed=d.split_seed,
         rendered_size=d.rendered_size,
         partition=d.partition,
+        truncate_train=d.truncate_train,
+        medical_options=d.medical_options or None,
+        standardize_features=d.standardize_features,
     )
 
 
@@ -80,9 +105,12 @@ def build_engine(
 ) -> InProcessEngine:
     """The engine of one cell; the model's initial weights depend on the seed only."""
     method = method_cfg.build()
+    # feature vectors (ABIDE): the MLP's input length comes from the data, no image layout or /255 scaling
+    features = clients[0].train.x.ndim == 2
     torch.manual_seed(derive_seed(seed, _INIT_STREAM))
     model = config.model.build(norm=method.norm, num_classes=num_classes(config.data.domains),
-                               image_size=image_size(config.data.domains))
+                               image_size=image_size(config.data.domains),
+                               in_features=int(clients[0].train.x.shape[1]) if features else None)
     f = config.federation
     cross_device = f.setting == "cross_device"
     federation = Federation(
@@ -90,18 +118,23 @@ def build_engine(
         fraction=f.fraction,
         weighting=f.weighting,
         persistent_optimizer=f.persistent_optimizer,
-        channels_last=f.channels_last,
+        channels_last=f.channels_last and not features,
+        eval_batch_size=f.eval_batch_size,
         stateless_clients=cross_device,
         rounds=f.rounds,
         threat=threat(config, clients),
     )
+    clients, external = split_external(clients)
     train_clients = [pooled_client(clients)] if method.pooled else clients
-    training = config.training.build()
+    training = config.training.build(task=config.task())
     if method_cfg.lr is not None:
         training = replace(training, lr=method_cfg.lr)
     return InProcessEngine(
-        model, train_clients, method, training, federation, normalize_batch,
+        model, train_clients, method, training, federation, prepare_features if features else normalize_batch,
         eval_clients=evaluation_clients(config, clients, method_cfg),
+        external_clients=external,
+        external_modes=tuple(config.external.modes),
+        external_bn=config.external.bn(),
     )
 
 
@@ -135,15 +168,18 @@ def run_cell(
     clients: list[ClientData],
     cell: Path,
     progress: ProgressFn | None = None,
+    build: EngineBuilder | None = None,
 ) -> dict:
-    """Train one (method, seed) cell to the end, resuming from its checkpoint if there is one."""
+    """Train one (method, seed) cell to the end, resuming from its checkpoint if there is one.
+    ``build`` makes the cell's engine (default :func:`build_engine`, in this process)."""
     cell.mkdir(parents=True, exist_ok=True)
     metrics_path, checkpoint_path = cell / store.METRICS_FILE, cell / store.CHECKPOINT_FILE
-    engine = build_engine(config, method_cfg, seed, clients)
+    engine = (build or build_engine)(config, method_cfg, seed, clients)
     if checkpoint_path.exists():
         engine.load_state_dict(store.load_checkpoint(checkpoint_path))
     store.truncate_metrics(metrics_path, engine.round)
     rounds, f = config.federation.rounds, config.federation
+    external_names = {c.name for c in external_entries(split_external(clients)[1], config.external.modes)}
     label = method_cfg.display
     if progress:
         progress(label, seed, engine.round, rounds, {})
@@ -155,22 +191,27 @@ def run_cell(
              "n": res.num_examples}
             for name, res in train_results.items()
         ]
-        last: dict = {"train_loss": sum(x.mean_loss for x in train_results.values()) / len(train_results)}
+        last: dict = {}
+        if train_results:  # an engine that lost every client of a round (Flower) reports none
+            last["train_loss"] = sum(x.mean_loss for x in train_results.values()) / len(train_results)
         if r % f.eval_every == 0 or r == rounds:
             evals = engine.evaluate()
-            records += [
+            records += [  # "acc" holds the task's main score, named by "metric" (accuracy, or dice)
                 {"round": r, "client": e.client, "split": e.split, "acc": e.accuracy, "loss": e.loss,
-                 "n": e.num_examples}
+                 "n": e.num_examples, "metric": e.metric}
                 for e in evals
             ]
-            tests = [e.accuracy for e in evals if e.split == "test"]
-            last["test_acc"] = sum(tests) / len(tests)
+            tests = [e.accuracy for e in evals if e.split == "test" and e.client not in external_names]
+            if tests:
+                last["test_acc"] = sum(tests) / len(tests)
         store.append_metrics(metrics_path, records)
         if r % f.checkpoint_every == 0 or r == rounds:
             store.save_checkpoint(checkpoint_path, engine.state_dict())
         if progress:
             progress(label, seed, r, rounds, last)
-    summary = summarize_cell(store.read_metrics(metrics_path), evaluation_clients(config, clients, method_cfg), label,
+    internal, external = split_external(clients)
+    reported = evaluation_clients(config, internal, method_cfg) + external_entries(external, config.external.modes)
+    summary = summarize_cell(store.read_metrics(metrics_path), reported, label,
                              seed, rounds)
     store.write_json(cell / store.SUMMARY_FILE, summary)
     from .plots import plot_cell
@@ -179,12 +220,21 @@ def run_cell(
     return summary
 
 
+def external_entries(external: list[ClientData], modes) -> list[ClientData]:
+    """One reported column per (external client, mode), named ``<client>:<mode>`` as the engine records it."""
+    return [ClientData(name=f"{c.name}:{mode}", domain=c.domain, train=c.test.subset(torch.arange(0)), test=c.test,
+                       origin=c.origin, meta={"external": True, "mode": mode})
+            for c in external for mode in modes]
+
+
 def summarize_cell(records: list[dict], clients: list[ClientData], label: str, seed: int, rounds: int) -> dict:
     """Final and best test (and validation) accuracy of every client of one cell."""
     per_client = []
     for c in clients:
         mine = [r for r in records if r["client"] == c.name]
         entry: dict = {"name": c.name, "domain": c.domain, "origin": c.origin, "num_train": c.num_train}
+        if c.meta.get("external"):
+            entry["external"] = True
         for split in ("test", "val"):
             evals = [r for r in mine if r["split"] == split]
             if not evals:
@@ -194,11 +244,13 @@ def summarize_cell(records: list[dict], clients: list[ClientData], label: str, s
             entry[split] = {"final_acc": final["acc"], "final_loss": final["loss"], "best_acc": best["acc"],
                             "best_round": best["round"], "n": final["n"]}
         per_client.append(entry)
-    finals = [e["test"]["final_acc"] for e in per_client if "test" in e]
+    finals = [e["test"]["final_acc"] for e in per_client if "test" in e and not e.get("external")]
+    metric = next((r["metric"] for r in records if "metric" in r), "accuracy")
     return {
         "method": label,
         "seed": seed,
         "rounds": rounds,
+        "metric": metric,  # what every *_acc value holds: accuracy, or Dice for segmentation
         "clients": per_client,
         "mean_final_test_acc": sum(finals) / len(finals) if finals else None,
     }
@@ -216,22 +268,25 @@ def _write_run_info(run_dir: Path, data_dir: Path | None, config: ExperimentConf
 
 
 def start_run(
-    config: ExperimentConfig, run_dir: Path, data_dir: str | None = None, progress: ProgressFn | None = None
+    config: ExperimentConfig, run_dir: Path, data_dir: str | None = None, progress: ProgressFn | None = None,
+    clients: list[ClientData] | None = None, build: EngineBuilder | None = None,
 ) -> list[CellResult]:
-    """Create ``run_dir`` for ``config`` and run every cell."""
+    """Create ``run_dir`` for ``config`` and run every cell. ``clients`` and ``build`` replace the
+    federation's data and the in-process engine (Flower's server passes its roster and its engine)."""
     run_dir = Path(run_dir)
     if (run_dir / store.CONFIG_FILE).exists():
         raise RunError(
             f"{run_dir} already holds a run; continue it with `fednorm resume {run_dir}` or choose another --out"
         )
     resolved = None
-    if _needs_data_folder(config):
-        resolved = resolve_data_dir(data_dir or config.data.data_dir)
-    clients = build_federation_data(config, resolved)  # before writing anything: bad data leaves no folder
+    if clients is None:
+        if _needs_data_folder(config):
+            resolved = resolve_data_dir(data_dir or config.data.data_dir)
+        clients = build_federation_data(config, resolved)  # before writing anything: bad data leaves no folder
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / store.CONFIG_FILE).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
     _write_run_info(run_dir, resolved, config)
-    return execute(run_dir, config, resolved, progress, clients=clients)
+    return execute(run_dir, config, resolved, progress, clients=clients, build=build)
 
 
 def load_run_config(run_dir: Path) -> ExperimentConfig:
@@ -259,6 +314,7 @@ def execute(
     data_dir: Path | None,
     progress: ProgressFn | None = None,
     clients: list[ClientData] | None = None,
+    build: EngineBuilder | None = None,
 ) -> list[CellResult]:
     """Run every unfinished cell of ``run_dir``, then write the run's table and comparison plot."""
     if clients is None:
@@ -273,7 +329,7 @@ def execute(
                 if progress:
                     progress(method_cfg.display, seed, config.federation.rounds, config.federation.rounds, {})
             else:
-                summary = run_cell(config, method_cfg, seed, clients, cell, progress)
+                summary = run_cell(config, method_cfg, seed, clients, cell, progress, build)
             results.append(CellResult(method_cfg.display, seed, summary))
     from .report import write_run_report
 

@@ -1,0 +1,128 @@
+"""Tasks: what a model is trained to predict, its loss and its evaluation score.
+
+A :class:`Task` is the one place the training loop and the evaluator ask "which loss?" and "which
+score?", so the rest of fednorm does not care whether a batch holds class labels or masks:
+
+* ``classification`` (images or feature vectors): cross-entropy, accuracy. The loss is exactly the
+  ``F.cross_entropy(logits.float(), y)`` the loop always used, so classification numbers do not
+  change by going through a task.
+* ``segmentation`` (HarmoFL's nuclei and prostate tasks): logits ``N x K x H x W`` against integer
+  masks ``N x H x W``. Masks are stored as uint8 (:class:`~fednorm.data.medical.SegmentationSplit`)
+  and converted to int64 one batch at a time (:meth:`Task.target`). Losses (HarmoFL names them but
+  does not define them; :mod:`fednorm.methods.segmentation` follows the official code):
+
+  - ``ce``: pixel-wise cross-entropy;
+  - ``dice``: soft Dice loss, batch Dice over all classes including background (the code's
+    ``DiceLoss``; the paper's nuclei loss);
+  - ``ce_dice``: ``(CE + Dice) / 2`` (the code's ``JointLoss``; the paper's prostate loss).
+
+  The score is the hard Dice of every image (argmax prediction), averaged over the images of a split.
+  ``dice_background`` chooses the classes it averages: ``exclude`` (default) scores the foreground
+  only, the usual reading of the paper's "Dice coefficient" (the paper does not say); ``include``
+  averages background and foreground; ``code`` is the official ``dice_coef`` exactly (background
+  included, ``2I / (|P| + |G| + 1e-5)``, a class absent from both prediction and mask scores 0).
+
+Which task a run uses: the domains say it (``DomainSpec.task``: the prostate and nuclei sites are
+segmentation, everything else classification) and ``training.loss`` picks the loss (``auto``: ``ce``
+for classification, the paper's loss of the dataset for segmentation), see :func:`build_task`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .segmentation import DICE_SMOOTH, ce_dice_loss, dice_loss, dice_score
+
+TASK_KINDS = ("classification", "segmentation")
+LOSSES = ("ce", "dice", "ce_dice")
+DICE_BACKGROUND = ("exclude", "include", "code")
+# HarmoFL Sec. 4: nuclei "segmentation Dice loss"; prostate "cross-entropy and dice loss together"
+PAPER_SEGMENTATION_LOSS = {"nuclei": "dice", "prostate": "ce_dice"}
+DEFAULT_SEGMENTATION_LOSS = "ce_dice"
+
+
+@dataclass(frozen=True)
+class Task:
+    """A task's loss and evaluation score; immutable, so it can sit in :class:`LocalTraining`."""
+
+    kind: str = "classification"
+    loss_name: str = "ce"
+    dice_background: str = "exclude"
+
+    def __post_init__(self) -> None:
+        if self.kind not in TASK_KINDS:
+            raise ValueError(f"unknown task {self.kind!r}; choose one of {', '.join(TASK_KINDS)}")
+        if self.loss_name not in LOSSES:
+            raise ValueError(f"unknown loss {self.loss_name!r}; choose one of {', '.join(LOSSES)}")
+        if self.kind == "classification" and self.loss_name != "ce":
+            raise ValueError(f"loss {self.loss_name!r} is a segmentation loss; classification trains with 'ce'")
+        if self.dice_background not in DICE_BACKGROUND:
+            raise ValueError(f"dice_background must be one of {', '.join(DICE_BACKGROUND)}, got {self.dice_background!r}")
+
+    @property
+    def metric(self) -> str:
+        """Name of the main score (what the ``acc`` field of an evaluation holds)."""
+        return "accuracy" if self.kind == "classification" else "dice"
+
+    def target(self, y: torch.Tensor) -> torch.Tensor:
+        """A batch's labels as the loss wants them: class labels unchanged, uint8 masks as int64."""
+        return y if self.kind == "classification" else y.long()
+
+    def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The batch's mean loss (computed in float32, as the loop always did under bf16 autocast)."""
+        if self.kind == "classification":
+            return F.cross_entropy(logits.float(), y)
+        if self.loss_name == "ce":
+            return F.cross_entropy(logits.float(), y.long())
+        if self.loss_name == "dice":
+            return dice_loss(logits, y)
+        return ce_dice_loss(logits, y)
+
+    def evaluation_sums(self, logits: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        """(score summed over the batch's samples, loss summed over them); divide both by the split size.
+
+        Classification: correct predictions and the summed cross-entropy. Segmentation: the sum of the
+        per-image Dice and the batch's mean loss times its size (Dice losses are batch quantities, so
+        the evaluation loss depends on the evaluation batch size, as the official code's does).
+        """
+        if self.kind == "classification":
+            return int((logits.argmax(1) == y).sum()), float(F.cross_entropy(logits, y, reduction="sum"))
+        return float(self.per_image_dice(logits, y).sum()), float(self.loss(logits, y)) * len(y)
+
+    def per_image_dice(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Hard Dice of each image (``N``), averaged over the classes ``dice_background`` selects."""
+        if self.dice_background == "code":
+            table = dice_score(logits, y, background="include", empty=0.0, eps=DICE_SMOOTH, reduction="none")
+        else:
+            table = dice_score(logits, y, background=self.dice_background, reduction="none")
+        return table.mean(dim=1)
+
+
+CLASSIFICATION = Task()
+
+
+def build_task(kind: str = "classification", loss: str = "auto", dice_background: str = "exclude",
+               benchmark: str | None = None) -> Task:
+    """The task of a run: ``kind`` from its domains, ``loss`` from ``training.loss``.
+
+    ``loss="auto"``: ``ce`` for classification; for segmentation the paper's loss of ``benchmark``
+    (:data:`PAPER_SEGMENTATION_LOSS`), else CE + Dice.
+    """
+    if loss == "auto":
+        loss = "ce" if kind == "classification" else PAPER_SEGMENTATION_LOSS.get(benchmark or "",
+                                                                                DEFAULT_SEGMENTATION_LOSS)
+    if kind == "classification" and loss != "ce":
+        raise ValueError(f"training.loss {loss!r} is a segmentation loss, but the domains are a classification "
+                         "task (loss: ce or auto)")
+    return Task(kind, loss, dice_background)
+
+
+def prepare_features(x: torch.Tensor) -> torch.Tensor:
+    """The ``prepare`` step of feature-vector domains (ABIDE): float32 as stored, no /255 and no
+    per-channel standardization (features are standardized per site when the clients are built)."""
+    if x.ndim != 2:
+        raise ValueError(f"feature batches must be N x D, got shape {tuple(x.shape)}")
+    return x.float()

@@ -1,0 +1,46 @@
+"""External clients (UniFed, FedBN App. G): never trained, evaluated from the global model under each mode."""
+
+import torch
+
+from fednorm.data.domain import ClientData, normalize_batch
+from fednorm.engines.simulation import Federation, InProcessEngine
+from fednorm.methods import LocalTraining, resolve_method
+from fednorm.methods.external import ExternalBN, evaluate_external
+from fednorm.models import DigitCNN
+
+from ..conftest import make_split
+
+
+def _engine(clients, method, external):
+    torch.manual_seed(2)
+    return InProcessEngine(DigitCNN(width=0.125), clients, resolve_method(method), LocalTraining(batch_size=8, lr=0.05),
+                           Federation(seed=0, channels_last=False), normalize_batch, external_clients=external,
+                           external_bn=ExternalBN(batch_size=8, momentum=0.5))
+
+
+def test_external_clients_never_train_and_are_evaluated_in_every_mode(tiny_clients):
+    outsider = ClientData("ext", "dx", make_split(10, seed=9, shift=120.0), make_split(24, seed=19, shift=120.0))
+    eng = _engine(tiny_clients, "fedbn", [outsider])
+    results = eng.run_round()
+    assert "ext" not in results and "ext" not in eng.local_states
+    evals = {e.client: e for e in eng.evaluate(("test",))}
+    assert {"ext:global", "ext:test_time_bn", "ext:fedbn_average"} <= set(evals)
+    # each mode equals the external module's function on the global model, with the internal BN states
+    model = eng.model
+    model.load_state_dict(eng.global_state)
+    states = [eng.local_states[c.name] for c in tiny_clients]
+    for mode in ("global", "test_time_bn", "fedbn_average"):
+        expected = evaluate_external(model, outsider.test, eng.prepare, mode, ExternalBN(batch_size=8, momentum=0.5),
+                                     states)
+        assert evals[f"ext:{mode}"].accuracy == expected.accuracy
+        assert abs(evals[f"ext:{mode}"].loss - expected.loss) < 1e-6
+
+
+def test_models_without_batchnorm_get_only_the_global_mode(tiny_clients):
+    outsider = ClientData("ext", "dx", make_split(10, seed=9), make_split(12, seed=19))
+    torch.manual_seed(2)
+    eng = InProcessEngine(DigitCNN(width=0.125, norm="gn"), tiny_clients, resolve_method("fedavg_gn"),
+                          LocalTraining(batch_size=8), Federation(channels_last=False), normalize_batch,
+                          external_clients=[outsider])
+    names = [e.client for e in eng.evaluate(("test",)) if e.client.startswith("ext")]
+    assert names == ["ext:global"]

@@ -1,0 +1,101 @@
+"""MOON, FedDC and Per-FedAvg end to end through the in-process engine, with shared and client-specific BN."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fednorm.data.domain import normalize_batch
+from fednorm.engines.simulation import Federation, InProcessEngine
+from fednorm.methods import LocalTraining
+from fednorm.methods.client_algorithms import ClientSpec
+from fednorm.methods.presets import Method
+from fednorm.models import DigitCNN
+
+TRAIN = LocalTraining(batch_size=8, lr=0.05)
+SPECS = {
+    "moon": ClientSpec("moon"),
+    "feddc": ClientSpec("feddc"),
+    "perfedavg": ClientSpec("perfedavg", perfedavg_eval_batch=8),
+}
+
+
+def method(name, policy, **client):
+    spec = replace(SPECS[name], **client)
+    return Method(f"{name}_{policy}", f"{name} with policy {policy}", policy, client=spec)
+
+
+def engine(clients, m, **fed):
+    torch.manual_seed(5)
+    return InProcessEngine(DigitCNN(width=0.125), clients, m, TRAIN,
+                           Federation(seed=1, channels_last=False, **fed), normalize_batch)
+
+
+@pytest.mark.parametrize("policy", ["shared", "local_bn"])
+@pytest.mark.parametrize("name", ["moon", "feddc", "perfedavg"])
+def test_algorithm_runs_and_keeps_its_state_where_it_should(tiny_clients, name, policy):
+    e = engine(tiny_clients, method(name, policy))
+    for _ in range(2):
+        results = e.run_round()
+        assert all(math.isfinite(r.mean_loss) for r in results.values())
+    evals = e.evaluate(("test",))
+    assert len(evals) == 3 and all(math.isfinite(ev.loss) for ev in evals)
+    state_keys = set(e.model.state_dict())
+    for c in tiny_clients:
+        state = e.algorithm_states.get(c.name, {})
+        if name == "moon":  # the previous local model, every entry
+            assert {k[5:] for k in state} == state_keys
+            if policy == "local_bn":  # its BN entries are the client's own trained ones
+                for k in e.local_keys:
+                    torch.testing.assert_close(state[f"prev.{k}"], e.local_states[c.name][k])
+        elif name == "feddc":  # drift and correction state on the aggregated parameters only
+            assert {k[4:] for k in state if k.startswith("h_i.")} == set(e.shared_params)
+            assert {k[4:] for k in state if k.startswith("c_i.")} == set(e.shared_params)
+            assert not any(k[4:] in e.local_keys for k in state)
+        else:
+            assert state == {}
+    if name == "feddc":
+        assert {k[2:] for k in e.algorithm_server_state} == set(e.shared_params)
+    if policy == "local_bn":
+        assert "features.1.weight" in e.local_keys and "features.1.weight" not in e.shared_params
+
+
+def test_moon_previous_model_is_the_clients_trained_model(tiny_clients):
+    e = engine(tiny_clients[:1], method("moon", "shared"))
+    e.run_round()
+    # one client: the FedAvg mean is its trained model, which MOON keeps as the previous model
+    for k, v in e.global_state.items():
+        torch.testing.assert_close(e.algorithm_states["c0"][f"prev.{k}"].to(v.dtype), v)
+
+
+def test_feddc_client_sends_theta_plus_drift(tiny_clients):
+    e = engine(tiny_clients[:1], method("feddc", "shared"))
+    theta0 = {k: v.clone() for k, v in e.global_state.items()}
+    e.run_round()
+    # h_i = theta_i - theta0 after the first round, and the client sends theta_i + h_i = theta0 + 2 h_i
+    for k in e.shared_params:
+        h = e.algorithm_states["c0"][f"h_i.{k}"]
+        torch.testing.assert_close(e.global_state[k], theta0[k] + 2 * h, rtol=1e-5, atol=1e-6)
+
+
+def test_perfedavg_personalizes_before_evaluation(tiny_clients):
+    adapted = engine(tiny_clients, method("perfedavg", "local_bn"))
+    plain = engine(tiny_clients, method("perfedavg", "local_bn", perfedavg_eval_steps=0))
+    adapted.run_round()
+    plain.run_round()
+    for k, v in adapted.global_state.items():  # same training
+        torch.testing.assert_close(plain.global_state[k], v)
+    a, p = adapted.evaluate(("test",)), plain.evaluate(("test",))
+    assert any(x.loss != y.loss for x, y in zip(a, p))
+    held = adapted.algorithm.evaluation_holdout(tiny_clients[0])["test"]
+    assert len(held) == 8
+
+
+def test_cross_device_refuses_stateful_moon_and_feddc_but_runs_perfedavg(tiny_clients):
+    for name in ("moon", "feddc"):
+        with pytest.raises(ValueError, match=name):
+            engine(tiny_clients, method(name, "shared"), stateless_clients=True)
+    e = engine(tiny_clients, method("perfedavg", "shared"), stateless_clients=True)
+    e.run_round()
+    assert e.algorithm_states == {}

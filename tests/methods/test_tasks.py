@@ -1,0 +1,117 @@
+"""Tasks: losses and the Dice score against hand values; classification unchanged by going through a task."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fednorm.data.domain import normalize_batch
+from fednorm.methods import LocalTraining, train_locally
+from fednorm.methods.tasks import CLASSIFICATION, Task, build_task, prepare_features
+
+from ..conftest import make_split
+
+
+def _logits_for(pred: torch.Tensor, k: int = 2) -> torch.Tensor:
+    """Logits whose argmax is ``pred`` (N x H x W)."""
+    return F.one_hot(pred, k).movedim(-1, 1).float() * 10
+
+
+def _masks():
+    """One 4 x 4 image: 4 foreground pixels in the mask, 4 predicted, 2 of them right."""
+    target = torch.zeros(1, 4, 4, dtype=torch.uint8)
+    target[0, 0, :] = 1  # first row
+    pred = torch.zeros(1, 4, 4, dtype=torch.long)
+    pred[0, 0, :2] = 1
+    pred[0, 1, :2] = 1
+    return pred, target
+
+
+def test_dice_score_by_hand_with_each_background_rule():
+    pred, target = _masks()
+    logits = _logits_for(pred)
+    # foreground: |P| = 4, |G| = 4, |P & G| = 2 -> 0.5; background: 12, 12, 10 -> 20 / 24
+    fg, bg = 0.5, 20 / 24
+    score = {b: Task("segmentation", "dice", b).per_image_dice(logits, target.long()) for b in ("exclude", "include", "code")}
+    torch.testing.assert_close(score["exclude"], torch.tensor([fg]))
+    torch.testing.assert_close(score["include"], torch.tensor([(fg + bg) / 2]))
+    code = (2 * 2 / (8 + 1e-5) + 2 * 10 / (24 + 1e-5)) / 2
+    torch.testing.assert_close(score["code"], torch.tensor([code]))
+
+
+def test_empty_foreground_scores_one_foreground_only_and_zero_for_the_code():
+    target = torch.zeros(2, 4, 4, dtype=torch.long)
+    logits = _logits_for(torch.zeros(2, 4, 4, dtype=torch.long))
+    assert Task("segmentation", "dice").per_image_dice(logits, target).tolist() == [1.0, 1.0]
+    code = Task("segmentation", "dice", "code").per_image_dice(logits, target)
+    torch.testing.assert_close(code, torch.full((2,), (2 * 16 / (32 + 1e-5) + 0.0) / 2))
+
+
+def test_segmentation_losses_by_hand():
+    _, target = _masks()
+    logits = torch.zeros(1, 2, 4, 4)  # p = 0.5 everywhere
+    # soft Dice over the batch, both classes, smooth 1e-5: fg (2*2 + s)/(8 + 4 + s), bg (2*6 + s)/(8 + 12 + s)
+    s = 1e-5
+    dice = 1 - ((4 + s) / (12 + s) + (12 + s) / (20 + s)) / 2
+    ce = math.log(2)
+    for name, value in (("ce", ce), ("dice", dice), ("ce_dice", (ce + dice) / 2)):
+        loss = Task("segmentation", name).loss(logits, target.long())
+        assert loss.item() == pytest.approx(value, rel=1e-6), name
+
+
+def test_masks_become_int64_per_batch_and_evaluation_sums():
+    pred, target = _masks()
+    task = Task("segmentation", "ce_dice")
+    y = task.target(target)
+    assert y.dtype == torch.int64 and target.dtype == torch.uint8
+    score, loss = task.evaluation_sums(_logits_for(pred).repeat(3, 1, 1, 1), y.repeat(3, 1, 1))
+    assert score == pytest.approx(1.5) and loss == pytest.approx(3 * float(task.loss(_logits_for(pred), y)))
+    assert task.metric == "dice" and CLASSIFICATION.metric == "accuracy"
+
+
+def test_classification_sums_are_the_engines_old_formula():
+    g = torch.Generator().manual_seed(0)
+    logits, y = torch.randn(7, 10, generator=g), torch.randint(0, 10, (7,), generator=g)
+    correct, loss = CLASSIFICATION.evaluation_sums(logits, y)
+    assert correct == int((logits.argmax(1) == y).sum()) and isinstance(correct, int)
+    assert loss == float(F.cross_entropy(logits, y, reduction="sum"))
+    assert CLASSIFICATION.target(y) is y
+    assert torch.equal(CLASSIFICATION.loss(logits, y), F.cross_entropy(logits.float(), y))
+
+
+def test_classification_training_is_bit_identical_to_plain_cross_entropy():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 28 * 28, 10))
+    ref = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 28 * 28, 10))
+    ref.load_state_dict(model.state_dict())
+    data = make_split(16, seed=1)
+    cfg = LocalTraining(steps=2, batch_size=8, lr=0.1, momentum=0.9)
+    assert cfg.task == CLASSIFICATION
+    train_locally(model, data, cfg, generator=torch.Generator().manual_seed(0), prepare=normalize_batch)
+    # by hand: the same batches, torch.optim.SGD on F.cross_entropy
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    stream = torch.randperm(16, generator=torch.Generator().manual_seed(0))
+    for index in torch.split(stream, 8):
+        opt.zero_grad()
+        F.cross_entropy(ref(normalize_batch(data.x[index])).float(), data.y[index]).backward()
+        opt.step()
+    for a, b in zip(model.state_dict().values(), ref.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_build_task_and_errors():
+    assert build_task() == CLASSIFICATION
+    assert build_task("segmentation", benchmark="nuclei").loss_name == "dice"
+    assert build_task("segmentation", benchmark="prostate").loss_name == "ce_dice"
+    assert build_task("segmentation", "ce").loss_name == "ce"
+    with pytest.raises(ValueError, match="segmentation loss"):
+        build_task("classification", "dice")
+    with pytest.raises(ValueError, match="unknown loss"):
+        Task("segmentation", "focal")
+    with pytest.raises(ValueError, match="dice_background"):
+        Task("segmentation", "dice", "both")
+    with pytest.raises(ValueError, match="N x D"):
+        prepare_features(torch.zeros(2, 3, 4, 4))
+    x = torch.randn(3, 5)
+    assert torch.equal(prepare_features(x), x)  # no /255, no standardization
