@@ -70,7 +70,7 @@ class ResultsTable:
             if method in self.paper:
                 numbers = self.paper[method]
                 body.append(["  paper", ""] + [f"{numbers[c]:.2f}" if c in numbers else "" for c in self.columns]
-                            + [""])
+                            + [f"{numbers['Avg']:.2f}" if "Avg" in numbers else ""])
         return [head] + body
 
     def footnote(self) -> str:
