@@ -178,4 +178,13 @@ def test_external_domain_is_reported_per_mode_and_left_out_of_the_average(tmp_pa
         internal = [c["test"]["final_acc"] for c in r.summary["clients"] if not c.get("external")]
         assert r.summary["mean_final_test_acc"] == sum(internal) / len(internal)
     text = (tmp_path / "run" / "results.md").read_text()
-    assert "rendered/street:test_time_bn" in text or "street:test_time_bn" in text
+    assert "street:test_time_bn" in text
+    # UniFed Fig. 6 ablation from the checkpoints: the global row equals the run's own final global column
+    from fednorm.methods.external import ABLATION_MOMENTA, ABLATION_TEST_BATCH_SIZES
+    from fednorm.runs.unifed_ablation import ablation_rows
+
+    rows = ablation_rows(tmp_path / "run")
+    fedavg = [r for r in rows if r[0] == "fedavg/seed0"]
+    assert len(fedavg) == 1 + len(ABLATION_TEST_BATCH_SIZES) + len(ABLATION_MOMENTA)
+    final_global = next(c for c in results[0].summary["clients"] if c["name"] == "rendered/street:global")
+    assert fedavg[0][1] == "global" and abs(fedavg[0][3] - 100 * final_global["test"]["final_acc"]) < 1e-9

@@ -49,7 +49,7 @@ class CellResult:
 
 
 def _needs_data_folder(config: ExperimentConfig) -> bool:
-    return any(not is_rendered(d) for d in config.data.domains)
+    return any(not is_rendered(d) for d in list(config.data.domains) + list(config.external.domains))
 
 
 def build_federation_data(config: ExperimentConfig, data_dir: Path | None) -> list[ClientData]:

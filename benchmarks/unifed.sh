@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# UniFed experiments on offline data (presets unifed_corrupt_internal, unifed_corrupt_external, unifed_digits).
+#   PRESET=unifed_digits bash benchmarks/unifed.sh                   # one run folder
+#   PRESET=unifed_corrupt_external FOLDS="noise blur weather digital" bash benchmarks/unifed.sh
+#                                  # leave-one-corruption-type-out: one run folder per held-out type
+#   ABLATION=1 RUN=benchmarks/results/unifed/<run> bash benchmarks/unifed.sh
+#                                  # UniFed Fig. 6: external accuracy against test batch size and momentum,
+#                                  # re-evaluating a finished run's checkpoints (no training)
+# EXTRA adds --set overrides (e.g. "--set federation.rounds=50 --set model.width=0.5"); re-running resumes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PRESET=${PRESET:-unifed_digits}
+DATA=${DATA:-../shared/data}
+EXTRA=${EXTRA:-}
+BASE=${BASE:-mnistm}
+SEVERITY=${SEVERITY:-3}
+run() {  # run folder, extra args...
+  local out=$1; shift
+  start=$(date +%s)
+  if [ -f "$out/config.yaml" ]; then
+    .venv/bin/fednorm resume "$out" --data-dir "$DATA" --quiet
+  else
+    # shellcheck disable=SC2086
+    .venv/bin/fednorm run "$PRESET" --data-dir "$DATA" "$@" $EXTRA --out "$out" --quiet
+  fi
+  echo "$out: $(( $(date +%s) - start )) s wall" | tee -a benchmarks/results/unifed/wall_times.txt
+}
+mkdir -p benchmarks/results/unifed
+if [ "${ABLATION:-0}" = 1 ]; then
+  .venv/bin/python -m fednorm.runs.unifed_ablation "${RUN:?set RUN to a finished run folder}" --data-dir "$DATA"
+  exit 0
+fi
+if [ -z "${FOLDS:-}" ]; then
+  run "benchmarks/results/unifed/$PRESET"
+  exit 0
+fi
+for held in $FOLDS; do
+  lists=$(.venv/bin/python -c "
+from fednorm.data.corrupt import UNIFED_TYPES
+held = '$held'
+if held not in UNIFED_TYPES: raise SystemExit(f'unknown type {held}; choose from {list(UNIFED_TYPES)}')
+name = lambda c: f'corrupt/{c}/$SEVERITY/$BASE'
+train = [name(c) for t, cs in UNIFED_TYPES.items() if t != held for c in cs]
+print('[' + ','.join(train) + ']', '[' + ','.join(name(c) for c in UNIFED_TYPES[held]) + ']')")
+  set -- $lists
+  run "benchmarks/results/unifed/$PRESET-$held" --set "data.domains=$1" --set "external.domains=$2"
+done
