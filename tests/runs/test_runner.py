@@ -188,3 +188,19 @@ def test_external_domain_is_reported_per_mode_and_left_out_of_the_average(tmp_pa
     assert len(fedavg) == 1 + len(ABLATION_TEST_BATCH_SIZES) + len(ABLATION_MOMENTA)
     final_global = next(c for c in results[0].summary["clients"] if c["name"] == "rendered/street:global")
     assert fedavg[0][1] == "global" and abs(fedavg[0][3] - 100 * final_global["test"]["final_acc"]) < 1e-9
+
+
+def test_validation_split_and_model_selection_by_validation_accuracy(tmp_path):
+    cfg = tiny_config("methods=[fedbn]", "data.val_fraction=0.25")
+    results = start_run(cfg, tmp_path / "run")
+    records = store.read_metrics(tmp_path / "run" / "fedbn" / "seed0" / store.METRICS_FILE)
+    val = {}
+    for r in records:
+        if r["split"] == "val":
+            val.setdefault(r["round"], []).append(r["acc"])
+    chosen = max(val, key=lambda rnd: (sum(val[rnd]) / len(val[rnd]), -rnd))
+    for c in results[0].summary["clients"]:
+        test_at = next(r["acc"] for r in records if r["client"] == c["name"] and r["split"] == "test"
+                       and r["round"] == chosen)
+        assert c["test"]["selected_round"] == chosen and c["test"]["selected_acc"] == test_at
+        assert c["val"]["n"] > 0

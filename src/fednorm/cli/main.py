@@ -66,7 +66,8 @@ class _Progress:
 
 def _finish(run_dir: Path, results, config) -> None:
     table = build_table([r.summary for r in results], paper=config.paper)
-    _print_table(table, f"{config.name}: test accuracy (%) after round {config.federation.rounds}, mean (std) over seeds")
+    _print_table(table, f"{config.name}: test {table.score_label} (%) after round {config.federation.rounds}, "
+                        "mean (std) over seeds")
     console.print(f"run folder: {run_dir}  (results.md, comparison.png, <method>/seed<k>/metrics.jsonl)")
 
 
@@ -112,6 +113,8 @@ def resume(
 def report(
     run_dirs: list[Path] = typer.Argument(..., help="run folders (or cell folders) to combine"),
     best: bool = typer.Option(False, "--best", help="best test accuracy over rounds instead of the final one"),
+    selected: bool = typer.Option(False, "--selected", help="test accuracy at the round of the best mean "
+                                  "validation accuracy (model selection, UniFed; needs validation data)"),
     markdown: bool = typer.Option(False, "--markdown", help="print a markdown table"),
 ) -> None:
     """Mean (std) over seeds per client and on average, in the papers' table layout."""
@@ -127,12 +130,13 @@ def report(
             paper.update(load_run_config(d).paper or {})
         except (RunError, ConfigError):
             pass
-    table = build_table(summaries, paper=paper or None, metric="best_acc" if best else "final_acc")
-    which = "best" if best else "final"
+    metric = "selected_acc" if selected else "best_acc" if best else "final_acc"
+    table = build_table(summaries, paper=paper or None, metric=metric)
+    which = "validation-selected" if selected else "best" if best else "final"
     if markdown:
         console.print(table.markdown(), highlight=False, markup=False)
     else:
-        _print_table(table, f"test accuracy (%), {which}, mean (std) over seeds")
+        _print_table(table, f"test {table.score_label} (%), {which}, mean (std) over seeds")
 
 
 @app.command()
@@ -150,6 +154,10 @@ def presets() -> None:
     """List the experiment presets shipped with fednorm."""
     for name in preset_names():
         console.print(f"[bold]{name:20s}[/] {load_config(name).description}", highlight=False, soft_wrap=True)
+
+
+from .bench import bench  # noqa: E402 - next to its registration
+app.command("bench")(bench)
 
 
 data_app = typer.Typer(no_args_is_help=True, help="Prepare datasets in the data folder.")

@@ -48,6 +48,8 @@ class DataConfig(_Strict):
         "iid / gamma / dirichlet: label skew, the domain's pool_size training images over num_clients clients "
         "(FBN's gamma-similarity with gamma, Dirichlet with alpha)")
     num_clients: int = Field(10, ge=1, le=10000, description="label-skew partitions: clients per domain")
+    val_fraction: float = Field(0.0, ge=0, lt=1, description="share of each client's training split held out "
+                                "for validation (model selection by validation accuracy); 0: none")
     gamma: float = Field(1.0, ge=0, le=1, description="gamma-similarity: share of iid data (1 iid, 0 extreme)")
     alpha: float = Field(1.0, gt=0, description="Dirichlet concentration (small = more skewed)")
     test_domain: str | None = Field(None, description="label-skew partitions: test every client on this domain's "

@@ -107,7 +107,9 @@ def build_table(summaries: list[dict], paper: dict | None = None, metric: str = 
             if c["name"] not in columns:
                 columns.append(c["name"])
                 origins[c["name"]] = c.get("origin", "real")
-            acc = c["test"][metric]
+            acc = c["test"].get(metric)
+            if acc is None:  # e.g. selected_acc of a cell without validation data
+                continue
             row.setdefault(c["name"], []).append(acc)
             if not c.get("external"):  # Avg is over the internal clients; external ones are their own columns
                 accs.append(acc)

@@ -29,6 +29,7 @@ from . import store
 from .config import ExperimentConfig, MethodConfig, validate
 
 _INIT_STREAM = 3
+_VAL_STREAM = 4
 RUN_INFO_FILE = "run.json"
 
 ProgressFn = Callable[[str, int, int, int, dict], None]  # (method label, seed, round, rounds, last metrics)
@@ -71,6 +72,30 @@ def split_external(clients: list[ClientData]) -> tuple[list[ClientData], list[Cl
 
 
 def _build_internal(config: ExperimentConfig, data_dir: Path | None) -> list[ClientData]:
+    clients = _build_partition(config, data_dir)
+    fraction = config.data.val_fraction
+    if not fraction:
+        return clients
+    return [with_validation(c, fraction, config.data.split_seed, i) for i, c in enumerate(clients)]
+
+
+def with_validation(client: ClientData, fraction: float, seed: int, index: int = 0) -> ClientData:
+    """``client`` with a seeded ``fraction`` of its training split held out as validation data (UniFed's
+    0.7/0.1/0.2 protocol, model selection by validation accuracy). A client that has a validation split
+    (FedBN's object lists, the medical sets) keeps it."""
+    if client.val is not None and len(client.val):
+        return client
+    n = client.num_train
+    n_val = int(round(fraction * n))
+    if n_val < 1 or n_val >= n:
+        raise ValueError(f"data.val_fraction {fraction} leaves client {client.name!r} ({n} training samples) "
+                         "without training or validation data")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(derive_seed(seed, _VAL_STREAM, index)))
+    return ClientData(client.name, client.domain, client.train.subset(order[n_val:].sort().values), client.test,
+                      client.train.subset(order[:n_val].sort().values), client.origin, dict(client.meta))
+
+
+def _build_partition(config: ExperimentConfig, data_dir: Path | None) -> list[ClientData]:
     d = config.data
     if d.partition in LABEL_SKEW_SCHEMES:
         clients: list[ClientData] = []
@@ -244,6 +269,18 @@ def summarize_cell(records: list[dict], clients: list[ClientData], label: str, s
             entry[split] = {"final_acc": final["acc"], "final_loss": final["loss"], "best_acc": best["acc"],
                             "best_round": best["round"], "n": final["n"]}
         per_client.append(entry)
+    # model selection (UniFed: "the model is selected based on the highest validation accuracy"): the round
+    # with the best mean validation accuracy over the clients that have one; every client's test score there
+    val_by_round: dict[int, list[float]] = {}
+    for r in records:
+        if r["split"] == "val":
+            val_by_round.setdefault(r["round"], []).append(r["acc"])
+    if val_by_round:
+        chosen = max(val_by_round, key=lambda rnd: (sum(val_by_round[rnd]) / len(val_by_round[rnd]), -rnd))
+        for e in per_client:
+            at = [r for r in records if r["client"] == e["name"] and r["split"] == "test" and r["round"] == chosen]
+            if at and "test" in e:
+                e["test"]["selected_acc"], e["test"]["selected_round"] = at[0]["acc"], chosen
     finals = [e["test"]["final_acc"] for e in per_client if "test" in e and not e.get("external")]
     metric = next((r["metric"] for r in records if "metric" in r), "accuracy")
     return {
