@@ -347,7 +347,7 @@ def load_medical(domain: str, *, data_dir: Path | None, seed: int = 0, options: 
     from . import medical
 
     spec = parse_domain(domain)
-    dataset, site = domain.split("/", 1)
+    dataset = spec.benchmark
     prepare = f"fednorm.data.medical.prepare_{dataset}"
     if data_dir is None:
         raise DataError(f"domain {domain!r} needs a data folder holding {spec.file}: pass --data-dir DIR or set "
@@ -378,7 +378,6 @@ def medical_clients(
     truncate_train: bool | None = None,
     options: dict | None = None,
     standardize_features: bool = True,
-    loaded: dict[str, Domain] | None = None,
 ) -> list[ClientData]:
     """One client per medical site, holding the site's own train/val/test splits (no re-split).
 
@@ -394,8 +393,7 @@ def medical_clients(
     if not all(s.medical for s in specs):
         others = [s.name for s in specs if not s.medical]
         raise ValueError(f"medical_clients takes medical domains only, got {others}")
-    sites = [loaded[d] if loaded and d in loaded else load_medical(d, data_dir=data_dir, seed=seed, options=options)
-             for d in domains]
+    sites = [load_medical(d, data_dir=data_dir, seed=seed, options=options) for d in domains]
     shapes = {tuple(s.train.x.shape[1:]) for s in sites}
     if len(shapes) != 1:
         raise DataError(f"the sites {domains} hold samples of different shapes {sorted(shapes)}; one model (and "

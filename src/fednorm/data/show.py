@@ -47,8 +47,16 @@ def view_domain(domain: str, *, data_dir: Path | None, seed: int = 0,
                 rendered_size: int = DEFAULT_RENDERED_SIZE) -> DomainView:
     """The splits of ``domain`` as the federation builder sees them (uncorrupted for a corrupted domain)."""
     spec = parse_domain(domain)
+    if spec.task != "classification":
+        raise ValueError(f"{domain!r} holds {'segmentation masks' if spec.task == 'segmentation' else 'feature vectors'}"
+                         "; `data show` counts and draws labelled images only")
     loaded = load_domain(_root(spec).name, data_dir=data_dir, rendered_size=rendered_size, seed=seed)
-    if loaded.pool is not None:
+    if spec.medical:
+        splits = {name: s for name, s in (("train", loaded.train), ("val", loaded.val), ("test", loaded.test))
+                  if s is not None}
+        positions = {name: torch.arange(len(s)) for name, s in splits.items()}
+        note = f"the loader's own splits: {loaded.description}"
+    elif loaded.pool is not None:
         train_idx, test_idx = stratified_split(loaded.pool.y, FEDBN_TEST_FRACTION, seed)
         splits = {"train": loaded.pool.subset(train_idx), "test": loaded.pool.subset(test_idx)}
         positions = {"train": train_idx, "test": test_idx}

@@ -24,10 +24,17 @@ def _series(records: list[dict], split: str, key: str) -> dict[str, tuple[list[i
     return out
 
 
+def _score(records: list[dict]) -> str:
+    """What the records' ``acc`` holds: accuracy, or Dice for segmentation (their ``metric``)."""
+    metric = next((r["metric"] for r in records if "metric" in r), "accuracy")
+    return {"dice": "Dice"}.get(metric, metric)
+
+
 def plot_cell(records: list[dict], cell: Path) -> None:
-    """accuracy.png (test accuracy per client) and loss.png (training loss per client) in ``cell``."""
+    """accuracy.png (test accuracy, or Dice for segmentation, per client) and loss.png (training loss per client)
+    in ``cell``."""
     for name, split, key, ylabel in (
-        ("accuracy.png", "test", "acc", "test accuracy (%)"),
+        ("accuracy.png", "test", "acc", f"test {_score(records)} (%)"),
         ("loss.png", "train", "loss", "training loss (mean over local steps)"),
     ):
         series = _series(records, split, key)
@@ -48,8 +55,10 @@ def plot_cell(records: list[dict], cell: Path) -> None:
 def plot_comparison(run_dir: Path, cells: list[tuple[str, int]]) -> None:
     """comparison.png: mean-over-clients test accuracy and training loss per method (mean over seeds)."""
     curves: dict[str, dict[str, dict[int, list[float]]]] = {"acc": defaultdict(dict), "loss": defaultdict(dict)}
+    score = "accuracy"
     for label, seed in cells:
         records = store.read_metrics(store.cell_dir(run_dir, label, seed) / store.METRICS_FILE)
+        score = _score(records)
         for kind, split in (("acc", "test"), ("loss", "train")):
             by_round: dict[int, list[float]] = defaultdict(list)
             for r in records:
@@ -60,7 +69,7 @@ def plot_comparison(run_dir: Path, cells: list[tuple[str, int]]) -> None:
     if not curves["acc"]:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, kind, ylabel in ((axes[0], "acc", "mean test accuracy over clients (%)"),
+    for ax, kind, ylabel in ((axes[0], "acc", f"mean test {score} over clients (%)"),
                              (axes[1], "loss", "mean training loss over clients")):
         for label, by_round in curves[kind].items():
             rounds = sorted(by_round)

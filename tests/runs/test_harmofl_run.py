@@ -1,0 +1,56 @@
+"""End to end: `fednorm run` of a tiny HarmoFL config (the harmofl_digits preset on rendered digits) writes its
+run folder, with the ablation's methods, an alpha-sweep label and the averaged amplitude in the checkpoint."""
+
+import json
+
+import torch
+from typer.testing import CliRunner
+
+from fednorm.cli.main import app
+from fednorm.runs.config import load_config
+
+TINY_HARMOFL = [
+    "data.domains=[rendered/print, rendered/neon]",
+    "data.rendered_size=300",
+    "data.pool_size=200",
+    "model.width=0.125",
+    "training.precision=fp32",
+    "federation.rounds=2",
+    "federation.eval_every=1",
+    "seeds=[0]",
+    "methods=[fedavg, harmofl, {name: harmofl, label: harmofl-a0.5, weight_perturbation: 0.5}]",
+]
+
+
+def test_fednorm_run_of_a_tiny_harmofl_config(tmp_path):
+    out = tmp_path / "run"
+    args = ["run", "harmofl_digits", *[a for item in TINY_HARMOFL for a in ("--set", item)], "--out", str(out),
+            "--quiet"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "test accuracy (%)" in result.output and "harmofl-a0.5" in result.output
+    table = json.loads((out / "results.json").read_text())
+    assert list(table["methods"]) == ["fedavg", "harmofl", "harmofl-a0.5"]
+    assert table["score"] == "accuracy"
+    ckpt = torch.load(out / "harmofl" / "seed0" / "checkpoint.pt", weights_only=False)
+    assert ckpt["round"] == 2 and ckpt["input_state"]["amp.global"].shape == (3, 28, 28)
+    assert "amp.global" not in torch.load(out / "fedavg" / "seed0" / "checkpoint.pt", weights_only=False)["input_state"]
+    summary = json.loads((out / "harmofl-a0.5" / "seed0" / "summary.json").read_text())
+    assert summary["metric"] == "accuracy" and len(summary["clients"]) == 2
+
+
+def test_harmofl_presets_build_the_ablation_switches():
+    ablation = load_config("harmofl_ablation_camelyon17")
+    methods = {m.display: m.build() for m in ablation.methods}
+    assert (methods["fedavg"].amplitude_norm, methods["fedavg"].weight_perturbation) == (None, 0.0)
+    assert (methods["fedavg_ampnorm"].amplitude_norm, methods["fedavg_ampnorm"].weight_perturbation) == ("full", 0.0)
+    assert (methods["fedavg_wp"].amplitude_norm, methods["fedavg_wp"].weight_perturbation) == (None, 0.05)
+    assert (methods["harmofl"].amplitude_norm, methods["harmofl"].weight_perturbation) == ("full", 0.05)
+    assert sorted(m.weight_perturbation for label, m in methods.items() if label.startswith("harmofl")) == [
+        0.0005, 0.005, 0.05, 0.5, 1.0]
+    code = load_config("harmofl_digits", ["methods=[{name: harmofl, amplitude_norm: code}]"]).methods[0].build()
+    assert code.amplitude_norm == "code"
+    for name, loss in (("harmofl_camelyon17", "ce"), ("harmofl_nuclei", "dice"), ("harmofl_prostate", "ce_dice")):
+        cfg = load_config(name)
+        assert cfg.task().loss_name == loss and cfg.federation.weighting == "uniform"
+        assert set(cfg.paper) <= {m.display for m in cfg.methods}
