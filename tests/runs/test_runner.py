@@ -204,3 +204,17 @@ def test_validation_split_and_model_selection_by_validation_accuracy(tmp_path):
                        and r["round"] == chosen)
         assert c["test"]["selected_round"] == chosen and c["test"]["selected_acc"] == test_at
         assert c["val"]["n"] > 0
+
+
+def test_partitions_are_saved_with_the_run_and_checked_on_resume(tmp_path):
+    cfg = tiny_config("methods=[fedavg]", "federation.rounds=2")
+    with pytest.raises(Stop):
+        start_run(cfg, tmp_path / "run", progress=lambda label, seed, rnd, rounds, last: (_ for _ in ()).throw(Stop())
+                  if rnd == 1 else None)
+    saved = json.loads((tmp_path / "run" / "partitions.json").read_text())
+    assert [c["name"] for c in saved] == ["rendered/print", "rendered/neon"]
+    assert all(len(c["train"]["sha256"]) == 64 and sum(c["train"]["labels"]) == c["train"]["n"] for c in saved)
+    saved[0]["train"]["sha256"] = "0" * 64  # as if the data had changed since the run started
+    (tmp_path / "run" / "partitions.json").write_text(json.dumps(saved))
+    with pytest.raises(RunError, match="rendered/print.*train data"):
+        resume_run(tmp_path / "run")

@@ -8,6 +8,7 @@ is derived from (seed, round, client) rather than from the order of execution.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -31,6 +32,7 @@ from .config import ExperimentConfig, MethodConfig, validate
 _INIT_STREAM = 3
 _VAL_STREAM = 4
 RUN_INFO_FILE = "run.json"
+PARTITIONS_FILE = "partitions.json"
 
 ProgressFn = Callable[[str, int, int, int, dict], None]  # (method label, seed, round, rounds, last metrics)
 # how a cell gets its engine: build_engine (in this process) or another engine with the same round interface
@@ -326,6 +328,52 @@ def start_run(
     return execute(run_dir, config, resolved, progress, clients=clients, build=build)
 
 
+def _digest(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def partition_record(clients: list[ClientData]) -> list[dict]:
+    """What every client holds: sizes, labels per class and a sha256 of each split (images and labels)."""
+    out = []
+    for c in clients:
+        entry: dict = {"name": c.name, "domain": c.domain, "origin": c.origin, "external": bool(c.meta.get("external"))}
+        for split in ("train", "val", "test"):
+            data = getattr(c, split)
+            if data is None:
+                continue
+            y = data.y.reshape(len(data), -1)[:, 0] if data.y.dim() > 1 else data.y
+            entry[split] = {"n": len(data), "sha256": _digest(data.x, data.y),
+                            "labels": torch.bincount(y.long().clamp(min=0)).tolist() if len(data) else []}
+        out.append(entry)
+    return out
+
+
+def check_partitions(run_dir: Path, clients: list[ClientData]) -> None:
+    """Write the run's partitions (first time), or check that the rebuilt clients hold exactly the same data
+    (resume): a run continues only on the data it started with."""
+    path = Path(run_dir) / PARTITIONS_FILE
+    record = partition_record(clients)
+    if not path.exists():
+        store.write_json(path, record)
+        return
+    saved = json.loads(path.read_text())
+    if saved == record:
+        return
+    names_saved, names_now = [c["name"] for c in saved], [c["name"] for c in record]
+    if names_saved != names_now:
+        raise RunError(f"{run_dir}: the federation's clients changed since the run started ({names_saved} then, "
+                       f"{names_now} now); resume with the data and config the run started with")
+    for a, b in zip(saved, record):
+        if a != b:
+            split = next((s for s in ("train", "val", "test") if a.get(s) != b.get(s)), "?")
+            raise RunError(f"{run_dir}: client {a['name']!r} no longer holds the same {split} data as when the run "
+                           f"started (its sha256 or size differs): the data folder or fednorm's data protocol "
+                           f"changed. Resume with the original data (see {PARTITIONS_FILE}) or start a new run")
+
+
 def load_run_config(run_dir: Path) -> ExperimentConfig:
     path = Path(run_dir) / store.CONFIG_FILE
     if not path.exists():
@@ -356,6 +404,7 @@ def execute(
     """Run every unfinished cell of ``run_dir``, then write the run's table and comparison plot."""
     if clients is None:
         clients = build_federation_data(config, data_dir)
+    check_partitions(run_dir, clients)
     results: list[CellResult] = []
     for method_cfg in config.methods:
         for seed in config.seeds:
