@@ -168,21 +168,24 @@ app.add_typer(data_app, name="data")
 def data_list(
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder (else FEDNORM_DATA, else the user cache)"),
 ) -> None:
-    """The domains fednorm knows, the file each reads, and whether it is in the data folder."""
+    """The domains fednorm knows, the file each reads, whether it is in the data folder, and how to get it."""
     from ..data.datafolder import resolve_data_dir
     from ..data.federation import domain_file, known_domains
+    from ..data.prepare import preparer_for
 
     folder = resolve_data_dir(data_dir)
     t = Table(title=f"domains (data folder {folder})")
-    for head in ("domain", "file", "here"):
+    for head in ("domain", "file", "here", "get it with"):
         t.add_column(head)
     for domain in known_domains():
         rel = domain_file(domain)
         if rel is None:
-            t.add_row(domain, "(rendered in memory)", "yes")
+            t.add_row(domain, "(rendered in memory)", "yes", "-")
             continue
-        t.add_row(domain, rel, "yes" if (folder / rel).is_file() else "no")
-    t.add_row("corrupt/<corruption>/<severity>/<domain>", "(generated from the domain, cached)", "-")
+        name = preparer_for(domain)
+        t.add_row(domain, rel, "yes" if (folder / rel).is_file() else "no",
+                  f"fednorm data prepare {name}" if name else "the offline copy (docs/datasets.md)")
+    t.add_row("corrupt/<corruption>/<severity>/<domain>", "(generated from the domain, cached)", "-", "its base domain")
     console.print(t)
     console.print("office_caltech10/<d>@<size>, domainnet/<d>@<size>: another prepared size (default 64); "
                   "docs/datasets.md lists every name", highlight=False, soft_wrap=True)
@@ -208,77 +211,210 @@ def data_verify(
 
 @data_app.command("prepare")
 def data_prepare(
-    dataset: str = typer.Argument(..., help="svhn, synthdigits, cifar10, office_caltech10 or domainnet"),
+    dataset: str = typer.Argument(..., help="svhn, synthdigits, cifar10, office_caltech10, domainnet, camelyon17, "
+                                  "prostate, nuclei, abide or fed_isic2019"),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder (else FEDNORM_DATA, else the user cache)"),
     raw_dir: Optional[str] = typer.Option(None, "--raw-dir", help="folder of the official files (default DATA_DIR/raw/DATASET)"),
     fedbn_dir: Optional[str] = typer.Option(None, "--fedbn-dir", help="svhn/synthdigits: read med-air/FedBN's partition files"),
     size: Optional[int] = typer.Option(None, "--size", help="office_caltech10/domainnet: image side (default 64; papers 256)"),
-    domains: Optional[str] = typer.Option(None, "--domains", help="office_caltech10/domainnet: comma-separated domains (default all)"),
+    domains: Optional[str] = typer.Option(None, "--domains", help="office_caltech10/domainnet (domains), prostate/nuclei/"
+                                          "fed_isic2019 (sites): comma-separated (default all)"),
     no_download: bool = typer.Option(False, "--no-download", help="never download; use the files in --raw-dir"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
 ) -> None:
-    """Download (resumable, checksummed) and convert a dataset into the data folder's npz format."""
+    """Download (resumable, checksummed) and convert a dataset into the data folder's npz format.
+
+    The medical datasets need files that cannot all be fetched automatically (registration, Google Drive):
+    the error then says what to download and where to put it (--raw-dir)."""
     from ..data.datafolder import resolve_data_dir
-    from ..data.prepare import OBJECT_PREPARERS, PREPARERS, prepare_fedbn_digits
+    from ..data.prepare import PREPARERS, prepare_dataset
 
     if dataset not in PREPARERS:
         _fail(ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(PREPARERS)}"))
-    if (size is not None or domains is not None) and dataset not in OBJECT_PREPARERS:
-        _fail(ValueError(f"--size and --domains apply to {' and '.join(OBJECT_PREPARERS)} only"))
     try:
-        folder = resolve_data_dir(data_dir)
-        if fedbn_dir is not None:
-            if dataset not in ("svhn", "synthdigits"):
-                _fail(ValueError("--fedbn-dir applies to svhn and synthdigits only"))
-            path = prepare_fedbn_digits(dataset, folder, Path(fedbn_dir))
-        elif dataset in OBJECT_PREPARERS:
-            extra = {"domains": [d.strip() for d in domains.split(",") if d.strip()] if domains else None}
-            if size is not None:
-                extra["size"] = size
-            path = PREPARERS[dataset](folder, raw_dir=raw_dir, download=not no_download, progress=not quiet, **extra)
-        else:
-            path = PREPARERS[dataset](folder, raw_dir=raw_dir, download=not no_download, progress=not quiet)
+        paths = prepare_dataset(dataset, resolve_data_dir(data_dir), raw_dir=raw_dir, download=not no_download,
+                                progress=not quiet, size=size, domains=domains, fedbn_dir=fedbn_dir)
     except (DataError, ValueError) as exc:
         _fail(exc)
-    for p in path if isinstance(path, list) else [path]:
+    for p in paths:
         console.print(f"wrote {p} and its manifest entry", highlight=False)
 
 
 @data_app.command("show")
 def data_show(
-    domain: str = typer.Argument(..., help="a domain name, e.g. mnistm, pacs/photo, corrupt/fog/3/mnistm"),
+    domains: list[str] = typer.Argument(..., help="one or more domain names, e.g. mnistm, pacs/photo, corrupt/fog/3/mnistm; "
+                                         "several are compared on one histogram figure"),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder (else FEDNORM_DATA, else the user cache)"),
-    out: Optional[Path] = typer.Option(None, "--out", help="PNG file of the sample grid (default <domain>.png here)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="PNG file of the sample grid (default <domain>.png here); the "
+                                       "histograms go to <stem>_hist.png, several domains' grids to <stem>_<domain>.png"),
     per_class: int = typer.Option(8, "--per-class", min=1, max=32, help="images per class in the grid"),
     seed: int = typer.Option(0, "--seed", help="split, rendering and corruption seed (data.split_seed of a run)"),
+    hist_images: int = typer.Option(100, "--hist-images", min=0, help="random training images per domain in the pixel "
+                                    "histograms (FedBN Fig. 6: 100; 0 = all)"),
+    linear_hist: bool = typer.Option(False, "--linear-hist", help="linear y axis for the pixel histograms (default "
+                                     "logarithmic: the background spike of digits flattens the rest)"),
 ) -> None:
-    """Image counts per split and class of a domain, and a PNG grid of sample images."""
+    """Image counts per split and class of each domain, a PNG grid of sample images per domain, and the
+    domains' per-channel pixel histograms on one PNG next to it (FedBN's Fig. 6)."""
     from ..data.datafolder import resolve_data_dir
     from ..data.federation import is_rendered
-    from ..data.show import sample_grid, view_domain
+    from ..data.show import histogram_figure, output_paths, pixel_histogram, sample_grid, view_domain
 
     try:
-        folder = None if is_rendered(domain) else resolve_data_dir(data_dir)
-        view = view_domain(domain, data_dir=folder, seed=seed)
-        png = sample_grid(view, out or Path(domain.replace("/", "_").replace("@", "_") + ".png"),
-                          per_class=per_class, seed=seed)
+        grids, hist_png = output_paths(domains, out)
+        views, hists = [], []
+        for domain, grid in zip(domains, grids):
+            folder = None if is_rendered(domain) else resolve_data_dir(data_dir)
+            view = view_domain(domain, data_dir=folder, seed=seed)
+            sample_grid(view, grid, per_class=per_class, seed=seed)
+            views.append(view)
+            hists.append(pixel_histogram(view, max_images=hist_images, seed=seed))
+        histogram_figure(hists, hist_png, log=not linear_hist)
     except (DataError, ValueError) as exc:
         _fail(exc)
-    counts = view.counts
-    t = Table(title=domain)
-    t.add_column("class")
-    for name in counts:
-        t.add_column(name, justify="right")
-    t.add_column("total", justify="right")
-    for label, cls in enumerate(view.classes):
-        row = [counts[name][label] for name in counts]
-        t.add_row(f"{label} {cls}", *map(str, row), str(sum(row)))
-    totals = [sum(c) for c in counts.values()]
-    t.add_row("all", *map(str, totals), str(sum(totals)), style="bold")
+    for domain, view, png in zip(domains, views, grids):
+        counts = view.counts
+        t = Table(title=domain)
+        t.add_column("class")
+        for name in counts:
+            t.add_column(name, justify="right")
+        t.add_column("total", justify="right")
+        for label, cls in enumerate(view.classes):
+            row = [counts[name][label] for name in counts]
+            t.add_row(f"{label} {cls}", *map(str, row), str(sum(row)))
+        totals = [sum(c) for c in counts.values()]
+        t.add_row("all", *map(str, totals), str(sum(totals)), style="bold")
+        console.print(t)
+        console.print(f"{view.spec.image_size} x {view.spec.image_size} images, origin {view.spec.origin}; {view.note}",
+                      style="italic", highlight=False, soft_wrap=True)
+        console.print(f"sample grid: {png}", highlight=False)
+    console.print(f"pixel histograms ({', '.join(f'{h.domain}: {h.images} {h.split} images' for h in hists)}): "
+                  f"{hist_png}", highlight=False, soft_wrap=True)
+
+
+
+# ------------------------------------------------------------------------------------------ flower
+flower_app = typer.Typer(no_args_is_help=True, help="Run experiments on Flower: its simulation runtime, or a "
+                         "deployment with a SuperLink and SuperNodes (docs/flower.md).")
+app.add_typer(flower_app, name="flower")
+
+
+def _flower():
+    """The Flower engine module, or a clear error when the ``flower`` extra is not installed."""
+    try:
+        from ..engines.flower import runtime
+    except ImportError as exc:
+        _fail(RunError(f"Flower is not installed ({exc}); install it with: pip install 'fednorm[flower]'"))
+    return runtime
+
+
+def _flower_options(round_timeout: float, node_wait: float):
+    from ..engines.flower.server import FlowerOptions
+
+    return FlowerOptions(round_timeout=round_timeout if round_timeout > 0 else None, node_wait=node_wait)
+
+
+def _flower_finish(run_dir: Path, cfg) -> None:
+    summaries = read_summaries(run_dir)
+    if summaries:
+        _print_table(build_table(summaries, paper=cfg.paper),
+                     f"{cfg.name} on Flower: test accuracy (%) after round {cfg.federation.rounds}, mean (std) over seeds")
+    console.print(f"run folder: {run_dir}  (results.md, <method>/seed<k>/metrics.jsonl, participation.jsonl)",
+                  highlight=False)
+
+
+_ROUND_TIMEOUT = typer.Option(600.0, "--round-timeout", help="seconds to wait for a round's replies before leaving "
+                              "the missing clients out (0: wait forever)")
+_NODE_WAIT = typer.Option(300.0, "--node-wait", help="seconds to wait at the start for SuperNodes holding every client")
+
+
+@flower_app.command("sim")
+def flower_sim(
+    config: Optional[str] = typer.Argument(None, help="YAML config file or preset name"),
+    set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. --set federation.rounds=5"),
+    out: Path = typer.Option(..., "--out", help="run folder"),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder (else FEDNORM_DATA, else the user cache)"),
+    nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="virtual SuperNodes (default one per client)"),
+    cpus_per_node: float = typer.Option(1.0, "--cpus-per-node", help="CPUs of each Ray actor running a ClientApp"),
+    round_timeout: float = _ROUND_TIMEOUT,
+) -> None:
+    """Run an experiment on Flower's simulation runtime (Ray), every client a virtual SuperNode."""
+    runtime = _flower()
+    try:
+        cfg = load_config(config, set_)
+        runtime.simulate(cfg, out, data_dir=data_dir, nodes=nodes, cpus_per_node=cpus_per_node,
+                         options=_flower_options(round_timeout, 300.0))
+    except (*_USER_ERRORS, ValueError) as exc:
+        _fail(exc)
+    _flower_finish(out, cfg)
+
+
+@flower_app.command("app")
+def flower_app_folder(
+    app_dir: Path = typer.Argument(..., help="folder to write the Flower app (pyproject.toml) into"),
+    config: Optional[str] = typer.Argument(None, help="YAML config file or preset name"),
+    set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. --set federation.rounds=5"),
+    out: Path = typer.Option(..., "--out", help="run folder, on the SuperLink's machine (made absolute)"),
+    round_timeout: float = _ROUND_TIMEOUT,
+    node_wait: float = _NODE_WAIT,
+) -> None:
+    """Write a Flower app folder that runs the experiment with `flwr run APP_DIR SUPERLINK` (deployment)."""
+    runtime = _flower()
+    try:
+        cfg = load_config(config, set_)
+        from ..engines.flower.node import check_flower_method
+
+        for method_cfg in cfg.methods:
+            check_flower_method(method_cfg)
+        path = runtime.write_app(app_dir, cfg, out, _flower_options(round_timeout, node_wait))
+    except (*_USER_ERRORS, ValueError) as exc:
+        _fail(exc)
+    console.print(f"wrote {path}; run it with: flwr run {app_dir} <superlink connection> --stream", highlight=False)
+
+
+@flower_app.command("clients")
+def flower_clients(
+    config: Optional[str] = typer.Argument(None, help="YAML config file or preset name"),
+    set_: list[str] = typer.Option([], "--set", help="override a config key"),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder (else FEDNORM_DATA, else the user cache)"),
+) -> None:
+    """The federation's clients, each with the --node-config of a SuperNode that holds it."""
+    _flower()
+    from ..data.datafolder import resolve_data_dir
+    from ..runs.runner import build_federation_data
+
+    try:
+        cfg = load_config(config, set_)
+        clients = build_federation_data(cfg, resolve_data_dir(data_dir or cfg.data.data_dir))
+    except (*_USER_ERRORS, ValueError) as exc:
+        _fail(exc)
+    t = Table(title=f"{cfg.name}: {len(clients)} clients")
+    for head in ("index", "client", "domain", "train", "test", "role", "--node-config"):
+        t.add_column(head, justify="right" if head in ("index", "train", "test") else "left")
+    for i, c in enumerate(clients):
+        t.add_row(str(i), c.name, c.domain, str(c.num_train), str(len(c.test)),
+                  "external" if c.meta.get("external") else "trains", f"client-index={i} data-dir='DIR'")
     console.print(t)
-    console.print(f"{view.spec.image_size} x {view.spec.image_size} images, origin {view.spec.origin}; {view.note}",
-                  style="italic", highlight=False, soft_wrap=True)
-    console.print(f"sample grid: {png}", highlight=False)
+
+
+@flower_app.command("local")
+def flower_local(
+    config: Optional[str] = typer.Argument(None, help="YAML config file or preset name"),
+    set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. --set federation.rounds=5"),
+    out: Path = typer.Option(..., "--out", help="run folder"),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder of every SuperNode"),
+    workdir: Optional[Path] = typer.Option(None, "--workdir", help="logs and Flower's files (default OUT-flower)"),
+    round_timeout: float = _ROUND_TIMEOUT,
+) -> None:
+    """Run an experiment on Flower's deployment runtime on this machine (a SuperLink, a SuperNode per client)."""
+    runtime = _flower()
+    try:
+        cfg = load_config(config, set_)
+        runtime.run_local(cfg, out, workdir or Path(f"{out}-flower"), data_dir=data_dir,
+                          options=_flower_options(round_timeout, 300.0))
+    except (*_USER_ERRORS, ValueError) as exc:
+        _fail(exc)
+    _flower_finish(out, cfg)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ it like any other file:
 The conversions follow med-air/FedBN ``utils/data_preprocess.py`` (``process_svhn``,
 ``process_synth``): ``X`` (32, 32, 3, N) -> (N, 32, 32, 3), SVHN label 10 -> 0. The official
 train/test files are stored as ``x_train``/``x_test``; the digit loaders pool them and re-split
-80/20 like FedBN. Command line: ``fednorm data prepare {svhn,synthdigits,cifar10,office_caltech10,domainnet}``.
+80/20 like FedBN. Command line: ``fednorm data prepare NAME`` (:func:`prepare_dataset`) for these and for the
+medical datasets of :mod:`fednorm.data.medical` (camelyon17, prostate, nuclei, abide, fed_isic2019),
+whose preparers are registered in :data:`PREPARERS` too.
 """
 
 from __future__ import annotations
@@ -565,7 +567,73 @@ def prepare_domainnet(data_dir: Path, *, raw_dir: Path | None = None, download: 
 # --- command line ----------------------------------------------------------------------------------
 
 
+def _medical_preparers() -> dict[str, Callable]:
+    """The ``prepare_*`` of every dataset of :data:`fednorm.data.medical.MEDICAL_DATASETS`: same call
+    ``(data_dir, *, raw_dir, download, progress)``; each raises a :class:`DataError` saying what to
+    download by hand and where to put it when a source cannot be fetched (registration, Google Drive)."""
+    from .medical import MEDICAL_DATASETS
+
+    return {name: ds.prepare for name, ds in MEDICAL_DATASETS.items()}
+
+
 PREPARERS = {"svhn": prepare_svhn, "synthdigits": prepare_synthdigits, "cifar10": prepare_cifar10,
-             "office_caltech10": prepare_office_caltech10, "domainnet": prepare_domainnet}
+             "office_caltech10": prepare_office_caltech10, "domainnet": prepare_domainnet,
+             **_medical_preparers()}
 # Preparers that write one file per domain and take size= and domains=.
 OBJECT_PREPARERS = ("office_caltech10", "domainnet")
+# Medical preparers that write one file per site and can be limited to some sites (--domains), with
+# the keyword each takes. Camelyon17 reads one bundle for all five hospitals, and ABIDE writes all
+# its sites into one file (whose dropped-ROI layout depends on every site): neither is limited.
+MEDICAL_SITE_OPTIONS = {"prostate": "sites", "nuclei": "clients", "fed_isic2019": "centers"}
+MEDICAL_PREPARERS = tuple(name for name in PREPARERS if name not in ("svhn", "synthdigits", "cifar10")
+                          and name not in OBJECT_PREPARERS)
+
+
+def preparer_for(domain: str) -> str | None:
+    """The ``fednorm data prepare`` name that writes the file a domain reads (a corrupted domain:
+    its base's); None for a domain that comes with the offline copy or is rendered in memory."""
+    from .federation import parse_domain
+
+    spec = parse_domain(domain)
+    while spec.base is not None:
+        spec = spec.base
+    if spec.file is None:
+        return None
+    for name in (spec.name, spec.benchmark):
+        if name in PREPARERS:
+            return name
+    return None
+
+
+def prepare_dataset(dataset: str, data_dir: Path, *, raw_dir: Path | None = None, download: bool = True,
+                    progress: bool = True, size: int | None = None, domains=None,
+                    fedbn_dir: Path | None = None) -> list[Path]:
+    """``fednorm data prepare DATASET``: run the dataset's preparer and return the files written.
+
+    ``size`` applies to the object benchmarks; ``domains`` to them and to the medical datasets of
+    :data:`MEDICAL_SITE_OPTIONS` (their sites); ``fedbn_dir`` to svhn and synthdigits. Raises
+    ValueError for an unknown dataset or an option that does not apply, and the preparer's
+    :class:`DataError` (what to download, where to put it) when files are missing.
+    """
+    if dataset not in PREPARERS:
+        raise ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(PREPARERS)}")
+    site_sets = (*OBJECT_PREPARERS, *MEDICAL_SITE_OPTIONS)
+    if (size is not None and dataset not in OBJECT_PREPARERS) or (domains is not None and dataset not in site_sets):
+        raise ValueError(f"{dataset}: --size and --domains apply to {' and '.join(OBJECT_PREPARERS)} only "
+                         f"(--domains also to the sites of {', '.join(MEDICAL_SITE_OPTIONS)})")
+    if isinstance(domains, str):
+        domains = [d.strip() for d in domains.split(",") if d.strip()]
+    if fedbn_dir is not None:
+        if dataset not in DIGIT_FILES:
+            raise ValueError("--fedbn-dir applies to svhn and synthdigits only")
+        return [prepare_fedbn_digits(dataset, Path(data_dir), Path(fedbn_dir))]
+    extra: dict = {}
+    if dataset in OBJECT_PREPARERS:
+        extra["domains"] = domains or None
+        if size is not None:
+            extra["size"] = size
+    elif dataset in MEDICAL_SITE_OPTIONS and domains:
+        extra[MEDICAL_SITE_OPTIONS[dataset]] = tuple(domains)
+    raw = Path(raw_dir) if raw_dir is not None else None
+    written = PREPARERS[dataset](Path(data_dir), raw_dir=raw, download=download, progress=progress, **extra)
+    return list(written) if isinstance(written, (list, tuple)) else [written]

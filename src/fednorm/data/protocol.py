@@ -34,7 +34,6 @@ import numbers
 
 import numpy as np
 import torch
-from sklearn.model_selection import StratifiedShuffleSplit
 
 from fednorm.data.domain import ClientData, Split
 
@@ -57,6 +56,8 @@ def stratified_split(
     labels = torch.as_tensor(y)
     if labels.ndim != 1:
         raise ValueError(f"labels must be a vector, got shape {tuple(labels.shape)}")
+    from sklearn.model_selection import StratifiedShuffleSplit  # here: importing sklearn costs seconds
+
     labels_np = labels.cpu().numpy()
     sss = StratifiedShuffleSplit(n_splits=1, test_size=test_fraction, random_state=seed)
     # The features do not influence the split; sklearn only needs their count.
