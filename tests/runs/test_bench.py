@@ -1,0 +1,146 @@
+"""`fednorm bench`: the bookkeeping of the measurements (never their speed)."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from fednorm.cli.main import app
+from fednorm.runs import bench
+from fednorm.runs.config import ConfigError
+from fednorm.runs.runner import build_federation_data
+
+from .test_runner import TINY, tiny_config
+
+SETS = [arg for item in TINY for arg in ("--set", item)]
+TWO_DOMAINS = ("rendered/print", "rendered/neon")
+
+
+def _get(tree: dict, dotted: str):
+    for part in dotted.split("."):
+        assert isinstance(tree, dict) and part in tree, f"missing {dotted!r} (at {part!r})"
+        tree = tree[part]
+    return tree
+
+
+def test_flops_of_one_linear_layer_are_exact():
+    layer = nn.Linear(8, 5)
+    x, y = torch.randn(4, 8), torch.randint(0, 5, (4,))
+    forward, total = bench.training_flops(layer, x.requires_grad_(True), y)
+    assert forward == 2 * 8 * 5 * 4  # 2 * in * out per sample
+    assert total == 3 * forward  # backward: input gradient and weight gradient, each as much as the forward
+    forward, total = bench.training_flops(nn.Linear(8, 5), torch.randn(4, 8), y)
+    assert total == 2 * forward  # an input without gradient: autograd computes the weight gradient only
+
+
+def test_phases_add_up_to_the_round_and_the_reference_sees_the_same_batches():
+    cfg = tiny_config()
+    method_cfg, seed = bench.select_cell(cfg, "fedbn")
+    clients = build_federation_data(cfg, None)
+    speed = bench.bench_speed(cfg, method_cfg, seed, clients, rounds=2, warmup=1)
+    assert len(speed["per_round"]) == 2
+    for r in speed["per_round"]:
+        named = sum(r[f"{p}_s"] for p in ("training", "aggregation", "evaluation", "checkpointing"))
+        assert named + r["other_s"] == pytest.approx(r["round_s"], abs=1e-9)
+        assert r["other_s"] >= -1e-9 and r["training_s"] + r["aggregation_s"] <= r["run_round_s"] + 1e-9
+        # the timed phases cover the round: what is left is the engine's bookkeeping between them
+        assert named >= r["round_s"] - max(0.25 * r["round_s"], 0.05)
+        assert r["reference_samples"] == r["samples"] == sum(c.num_train for c in clients)
+        assert r["participants"] == len(clients)
+    assert speed["client_state_bytes"] > 0  # FedBN keeps its BN entries on each client
+    assert speed["flops"]["train_per_sample"] > speed["flops"]["forward_per_sample"] > 0
+
+
+def test_phase_clock_restores_the_wrapped_methods():
+    class Thing:
+        def work(self, x):
+            return 2 * x
+
+    thing, clock, seen = Thing(), bench.PhaseClock(), []
+    clock.wrap(thing, "work", "training", after=lambda args, kwargs, out: seen.append(out))
+    assert thing.work(3) == 6 and seen == [6] and clock.calls["training"] == 1
+    clock.restore()
+    assert "work" not in vars(thing) and thing.work(1) == 2
+    with pytest.raises(bench.BenchError, match="no method"):
+        clock.wrap(thing, "missing", "training")
+
+
+def test_cli_writes_every_field(tmp_path):
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, [
+        "bench", *SETS, "--method", "fedavg", "--rounds", "1", "--warmup", "0", "--peak-size", "64", "--mode", "all",
+        "--clients", "2", "--memory-domains", ",".join(TWO_DOMAINS), "--memory-rounds", "1", "--out", str(out),
+        "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "engine overhead ratio" in result.output and "peak memory by client count" in result.output
+    data = json.loads(out.read_text())
+    for key in (
+        "schema", "created", "argv",
+        "machine.cpu_model", "machine.cpu_capability", "machine.native_bf16", "machine.amx", "machine.avx512_bf16",
+        "machine.torch_threads", "machine.cpu_count", "machine.load_average", "machine.load_average_end",
+        "config.name", "config.method", "config.seed", "config.model", "config.batch_size", "config.precision",
+        "config.channels_last", "config.clients",
+        "speed.engine_samples_per_s", "speed.local_training_samples_per_s", "speed.reference_samples_per_s",
+        "speed.overhead_ratio", "speed.training_ratio", "speed.overhead_ratio_per_round.median",
+        "speed.target_overhead_ratio", "speed.samples", "speed.per_round", "speed.checkpoint_bytes",
+        *(f"speed.phases_mean_s.{p}" for p in (*bench.PHASES, "round")),
+        "speed.flops.forward_per_sample", "speed.flops.train_per_sample",
+        "speed.memory.ru_maxrss_mib", "speed.memory.rss_after_data_mib", "speed.memory.rounds_rss_peak_mib",
+        "speed.memory.how", "speed.client_state_bytes",
+        "peak.fp32.gflops", "peak.fp32.size", "peak.bf16.gflops", "peak.bf16.size",
+        "throughput.gflops.engine", "throughput.gflops.reference", "throughput.peak_gflops",
+        "throughput.share_of_peak.engine", "throughput.share_of_peak.reference",
+        "memory_scaling.counts", "memory_scaling.runs", "memory_scaling.how", "memory_scaling.ru_maxrss_spread_mib",
+    ):
+        _get(data, key)
+    assert data["config"]["method"] == "fedavg" and data["speed"]["rounds"] == 1
+    for key in ("training_s", "aggregation_s", "evaluation_s", "checkpointing_s", "other_s", "round_s",
+                "reference_s", "overhead_ratio"):
+        assert key in data["speed"]["per_round"][0]
+    (run,) = data["memory_scaling"]["runs"]
+    assert run["clients"] == 2 and run["clients_per_domain"] == 1 and run["participants_per_round"] == 1
+    for key in ("ru_maxrss_mib", "rounds_rss_peak_mib", "rss_after_data_mib", "rss_after_import_mib",
+                "client_state_bytes", "round_s"):
+        assert key in run
+
+
+def test_memory_config_forces_the_cross_device_federation():
+    cfg = tiny_config()
+    method_cfg, seed = bench.select_cell(cfg, "fedavg", 3)
+    mem = bench.memory_config(cfg, method_cfg, seed, 10, TWO_DOMAINS)
+    assert mem.data.partition == "even" and mem.data.clients_per_domain == 5 and mem.data.percent == 1.0
+    assert mem.federation.setting == "cross_device" and mem.federation.fraction == 0.1
+    assert [m.name for m in mem.methods] == ["fedavg"] and mem.seeds == [3]
+    assert mem.model == cfg.model and mem.training == cfg.training
+    kept = bench.memory_config(cfg, method_cfg, seed, 4, TWO_DOMAINS, overrides=["data.percent=0.2"])
+    assert kept.data.percent == 0.2
+    with pytest.raises(bench.BenchError, match="split evenly"):
+        bench.memory_config(cfg, method_cfg, seed, 5, TWO_DOMAINS)
+    with pytest.raises(ConfigError, match="stateless"):
+        bench.memory_config(cfg, bench.select_cell(cfg, "fedbn")[0], seed, 4, TWO_DOMAINS)
+
+
+def test_unknown_method_and_bad_counts_fail_clearly(tmp_path):
+    with pytest.raises(bench.BenchError, match="neither a method of the config"):
+        bench.select_cell(tiny_config(), "fedbnn")
+    result = CliRunner().invoke(app, ["bench", *SETS, "--mode", "memory", "--clients", "3",
+                                      "--memory-domains", ",".join(TWO_DOMAINS), "--out", str(tmp_path / "b.json")])
+    assert result.exit_code == 2 and "split evenly" in result.output
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_matmul_peak_shrinks_to_its_time_budget():
+    peak = bench.matmul_peak(torch.float32, size=512, budget_s=1e-9, min_time=0.0)
+    assert peak["size"] == 64 and peak["requested_size"] == 512 and "reduced from 512" in peak["note"]
+    assert peak["repeats"] >= 3 and peak["gflops"] > 0
+
+
+def test_memory_probes():
+    with bench.RssSampler(interval=0.001) as sampler:
+        torch.zeros(1 << 20).add_(1)
+    if bench.rss_mib() is not None:  # Linux
+        assert sampler.peak > 0 and sampler.samples >= 2
+    assert bench.max_rss_mib() > 0
+    assert bench.tensor_bytes({"a": torch.zeros(3), "b": [torch.zeros(2, dtype=torch.float64)], "c": 1}) == 28
