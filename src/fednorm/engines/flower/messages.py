@@ -1,0 +1,253 @@
+"""What travels in Flower messages, and what a node keeps in ``Context.state``: conversions both ways.
+
+Every message of a fednorm run carries a ``cell`` record (the resolved experiment as YAML, the method
+label, the seed, the client it is for), so a node needs nothing but its own data to take part. Then:
+
+| message          | server -> node                                   | node -> server                                  |
+| ---------------- | ------------------------------------------------ | ----------------------------------------------- |
+| query (roster)   | cell                                             | ``roster``: the node's clients, their sizes     |
+| train            | cell, ``instructions``, ``global`` (shared       | ``state`` (shared entries), ``message`` (client |
+|                  | entries only), ``server_state``, ``input_state`` | algorithm; HarmoFL's first amplitude),          |
+|                  | (HarmoFL's global amplitude)                     | ``metrics``, ``bn_counts``                      |
+| evaluate         | cell, ``global``, ``input_state``                | one ConfigRecord per split (``eval.test``, ...) |
+
+Local entries (FedBN's BN state, SiloBN's statistics), optimizer state and client algorithm state are
+never in a message: they live in the node's ``Context.state`` (:func:`save_memory`).
+
+Decoding is strict: anything missing or of the wrong type raises :class:`UpdateError` naming the
+record and the client, which the server logs before leaving the reply out of the round.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from ...methods.aggregation import UpdateError
+from ...methods.local_update import LocalResult
+from ...methods.server import ClientReply
+from ..client_step import ClientMemory, RoundInstructions
+
+CELL = "cell"
+INSTRUCTIONS = "instructions"
+GLOBAL = "global"
+SERVER_STATE = "server_state"
+INPUT_STATE = "input_state"
+STATE = "state"
+ALGORITHM_MESSAGE = "message"
+METRICS = "metrics"
+BN_COUNTS = "bn_counts"
+ROSTER = "roster"
+EVAL_PREFIX = "eval."
+
+
+# ------------------------------------------------------------------------------------------ tensors
+def to_arrays(tensors: dict[str, torch.Tensor]) -> ArrayRecord:
+    """An ArrayRecord holding ``tensors`` exactly (dtype, shape and values)."""
+    if not tensors:
+        return ArrayRecord()
+    return ArrayRecord({k: v.detach().cpu() for k, v in tensors.items()})
+
+
+def from_arrays(content: RecordDict, name: str, who: str = "the server") -> dict[str, torch.Tensor]:
+    """The tensors of record ``name``; UpdateError if it is absent or not arrays."""
+    record = content.array_records.get(name)
+    if record is None:
+        raise UpdateError(f"{who} sent no {name!r} arrays")
+    try:
+        return dict(record.to_torch_state_dict())
+    except Exception as exc:  # noqa: BLE001 - a malformed array of any kind gets the same message
+        raise UpdateError(f"{who} sent unreadable {name!r} arrays: {exc}") from exc
+
+
+# ------------------------------------------------------------------------------------------ cell
+@dataclass(frozen=True)
+class CellRequest:
+    """Which run, cell and client a message is about; ``record_as`` names an evaluation (a domain when the
+    global model is evaluated once per domain, else the client itself)."""
+
+    experiment: str  # the resolved experiment config, YAML
+    method: str = ""  # method label ("" for a roster query)
+    seed: int = 0
+    client: str = ""
+    record_as: str = ""
+    splits: tuple[str, ...] = ()
+    external_modes: tuple[str, ...] = ()  # an external client's evaluation: under these modes
+
+    def record(self) -> ConfigRecord:
+        return ConfigRecord({"experiment": self.experiment, "method": self.method, "seed": int(self.seed),
+                             "client": self.client, "record_as": self.record_as or self.client,
+                             "splits": list(self.splits), "external_modes": list(self.external_modes)})
+
+    @classmethod
+    def decode(cls, content: RecordDict) -> "CellRequest":
+        record = content.config_records.get(CELL)
+        if record is None:
+            raise ValueError("the message has no 'cell' record: it was not sent by a fednorm ServerApp")
+        return cls(str(record["experiment"]), str(record["method"]), int(record["seed"]), str(record["client"]),
+                   str(record["record_as"]), tuple(str(s) for s in record["splits"]),
+                   tuple(str(s) for s in record.get("external_modes", [])))
+
+
+# ------------------------------------------------------------------------------------------ instructions
+def instructions_record(instructions: RoundInstructions) -> ConfigRecord:
+    return ConfigRecord(asdict(instructions))
+
+
+def decode_instructions(content: RecordDict) -> RoundInstructions:
+    record = content.config_records.get(INSTRUCTIONS)
+    if record is None:
+        raise ValueError("the train message has no 'instructions' record")
+    values = {}
+    for f in fields(RoundInstructions):
+        if f.name not in record:
+            raise ValueError(f"the train message's instructions lack {f.name!r}")
+        values[f.name] = record[f.name]
+    return RoundInstructions(**values)
+
+
+# ------------------------------------------------------------------------------------------ replies
+def encode_reply(reply: ClientReply, message: dict[str, torch.Tensor], result: LocalResult) -> RecordDict:
+    """The node's answer to a train message."""
+    return RecordDict({
+        CELL: ConfigRecord({"client": reply.client}),
+        STATE: to_arrays(reply.state),
+        ALGORITHM_MESSAGE: to_arrays(message),
+        METRICS: MetricRecord({"weight": float(reply.weight), "num_steps": int(reply.num_steps),
+                               "loss_sum": float(result.loss_sum), "num_examples": int(result.num_examples)}),
+        BN_COUNTS: MetricRecord({k: int(v) for k, v in reply.bn_counts.items()}),
+    })
+
+
+def decode_reply(content: RecordDict, client: str, weight: float
+                 ) -> tuple[ClientReply, dict[str, torch.Tensor], LocalResult]:
+    """(reply, client algorithm message, loss statistics) of ``client``'s answer. ``weight`` is the
+    server's own aggregation weight for it: a client's claim about its weight is never trusted."""
+    who = f"client {client!r}"
+    cell = content.config_records.get(CELL)
+    if cell is None or cell.get("client") != client:
+        named = None if cell is None else cell.get("client")
+        raise UpdateError(f"{who}: the reply names client {named!r}; a node must answer for the client it was asked")
+    state = from_arrays(content, STATE, who)
+    message = from_arrays(content, ALGORITHM_MESSAGE, who)
+    metrics = content.metric_records.get(METRICS)
+    if metrics is None:
+        raise UpdateError(f"{who} sent no 'metrics' record")
+    try:
+        num_steps, num_examples = metrics["num_steps"], metrics["num_examples"]
+        loss_sum = float(metrics["loss_sum"])
+    except KeyError as exc:
+        raise UpdateError(f"{who} sent no {exc.args[0]!r} in its metrics") from None
+    if not isinstance(num_steps, int) or num_steps < 0 or not isinstance(num_examples, int) or num_examples < 0:
+        raise UpdateError(f"{who} sent invalid step or example counts ({num_steps!r}, {num_examples!r})")
+    if not math.isfinite(loss_sum):
+        raise UpdateError(f"{who} reported a non-finite training loss ({loss_sum}): its local training diverged")
+    counts_record = content.metric_records.get(BN_COUNTS)
+    counts = {} if counts_record is None else dict(counts_record)
+    if any(not isinstance(v, int) for v in counts.values()):
+        raise UpdateError(f"{who} sent non-integer FBN batch sizes {counts}")
+    reply = ClientReply(client, state, weight, num_steps, counts)
+    return reply, message, LocalResult(loss_sum, num_examples, num_steps)
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+def encode_evaluations(evals) -> RecordDict:
+    """The node's answer to an evaluate message: one ConfigRecord per evaluation (``eval.<client>|<split>``)."""
+    content = RecordDict()
+    for e in evals:
+        content[f"{EVAL_PREFIX}{e.client}|{e.split}"] = ConfigRecord(
+            {"client": e.client, "split": e.split, "acc": float(e.accuracy), "loss": float(e.loss),
+             "n": int(e.num_examples), "metric": e.metric})
+    return content
+
+
+def decode_evaluations(content: RecordDict, client: str):
+    """The :class:`fednorm.engines.simulation.Evaluation` list of ``client``'s evaluate reply (an external
+    client's are named ``<client>:<mode>``)."""
+    from ..simulation import Evaluation
+
+    who = f"client {client!r}"
+    out = []
+    for name, record in content.config_records.items():
+        if not name.startswith(EVAL_PREFIX):
+            continue
+        try:
+            named, split, n, metric = str(record["client"]), str(record["split"]), record["n"], str(record["metric"])
+            acc, loss = float(record["acc"]), float(record["loss"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UpdateError(f"{who} sent a malformed evaluation {name!r}: {exc}") from None
+        if named != client and not named.startswith(client + ":"):
+            raise UpdateError(f"{who} sent an evaluation of {named!r}")
+        if not isinstance(n, int) or n < 0 or not 0.0 <= acc <= 1.0:
+            raise UpdateError(f"{who} sent an invalid evaluation of {split!r}: score {acc}, n {n!r}")
+        out.append(Evaluation(named, split, acc, loss, n, metric))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ roster
+@dataclass(frozen=True)
+class RosterEntry:
+    """What the server may know of a client: never its data, only its place, split sizes and sample shape."""
+
+    index: int  # position in the federation (the in-process engine's client order)
+    total: int  # the federation's number of clients, as the node counts it
+    name: str
+    domain: str
+    origin: str
+    external: bool  # never trains, evaluated only
+    num_train: int
+    num_test: int
+    num_val: int  # -1: no validation split
+    x_shape: str  # one sample's shape, "3,28,28" ("" for a scalar)
+    x_dtype: str
+    y_shape: str
+    y_dtype: str
+
+
+def roster_record(entries: list[RosterEntry]) -> ConfigRecord:
+    return ConfigRecord({f.name: [getattr(e, f.name) for e in entries] for f in fields(RosterEntry)})
+
+
+def decode_roster(content: RecordDict, node_id: int) -> list[RosterEntry]:
+    record = content.config_records.get(ROSTER)
+    if record is None:
+        raise UpdateError(f"node {node_id} answered the roster query without a 'roster' record")
+    try:
+        columns = [list(record[f.name]) for f in fields(RosterEntry)]
+    except KeyError as exc:
+        raise UpdateError(f"node {node_id}'s roster lacks {exc.args[0]!r}") from None
+    if len({len(c) for c in columns}) > 1:
+        raise UpdateError(f"node {node_id}'s roster columns differ in length")
+    return [RosterEntry(*row) for row in zip(*columns)]
+
+
+# ------------------------------------------------------------------------------------------ client memory
+def memory_prefix(method: str, seed: int, client: str) -> str:
+    return f"fednorm/{method}/seed{seed}/{client}"
+
+
+def save_memory(state: RecordDict, prefix: str, memory: ClientMemory) -> None:
+    """Keep ``memory`` in the node's ``Context.state`` (which Flower never sends anywhere)."""
+    state[f"{prefix}/local"] = to_arrays(memory.local_state)
+    state[f"{prefix}/algorithm"] = to_arrays(memory.algorithm_state)
+    if memory.optimizer_state is not None:
+        buffer = io.BytesIO()
+        torch.save(memory.optimizer_state, buffer)
+        state[f"{prefix}/optimizer"] = ConfigRecord({"torch": buffer.getvalue()})
+
+
+def load_memory(state: RecordDict, prefix: str) -> ClientMemory:
+    """The client's memory from ``Context.state``; empty the first time the client is asked."""
+    memory = ClientMemory()
+    if f"{prefix}/local" in state:
+        memory.local_state = dict(state.array_records[f"{prefix}/local"].to_torch_state_dict())
+    if f"{prefix}/algorithm" in state:
+        memory.algorithm_state = dict(state.array_records[f"{prefix}/algorithm"].to_torch_state_dict())
+    if f"{prefix}/optimizer" in state:
+        raw = state.config_records[f"{prefix}/optimizer"]["torch"]
+        memory.optimizer_state = torch.load(io.BytesIO(raw), weights_only=True)
+    return memory

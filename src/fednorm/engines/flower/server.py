@@ -1,0 +1,507 @@
+"""The server side on Flower: a ServerApp ``main`` that runs a fednorm experiment over SuperNodes.
+
+The server knows its clients only through a roster (names, domains, split sizes) that each node reports
+when asked; it holds an in-process engine over that roster (no images, see :func:`roster_clients`) for
+everything a server does: sampling, aggregation weights, the learning-rate schedule, FixBN's switch,
+the method's :class:`fednorm.methods.server.ServerUpdate` (Byzantine attacks included), the client
+algorithm's server state and checkpoints. :class:`FlowerEngine` replaces only the loop over clients by
+messages, so the run folder (``metrics.jsonl``, summaries, report) is written by the runner exactly as
+in-process and the numbers are the same for the same seed.
+
+Policy for bad replies (logged, and recorded per round in ``participation.jsonl`` in the cell folder):
+
+- a reply that is missing (node died or timed out after ``round_timeout`` seconds), an error (the
+  ClientApp raised, e.g. its training diverged), or malformed (missing arrays, wrong shapes or dtypes,
+  NaN or Inf values, no FBN batch size) is left out of the round;
+- the remaining replies' weights are renormalized to sum to one (unchanged when nothing was left out);
+- if no reply remains, the global model and the client algorithm's server state stay as they were;
+- a node that missed a reply is left out of later rounds until its late reply arrives (it was slow, not
+  dead) or a node holding its clients connects (a restarted SuperNode is asked for its roster at the next
+  round; its clients restart from the global model, their local state died with the old node).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from logging import INFO, WARNING
+from pathlib import Path
+
+import torch
+from flwr.app import ArrayRecord, Message, MessageType, RecordDict
+from flwr.common.logger import log
+
+from ...data.domain import ClientData, Split
+from ...methods.aggregation import UpdateError, client_weights
+from ...methods.local_update import LocalResult
+from ...methods.server import ClientReply
+from ...runs import store
+from ...runs.config import ExperimentConfig, MethodConfig
+from ...runs.runner import CellResult, RunError, build_engine, start_run
+from ..client_step import RoundInstructions, update_input_state
+from ..simulation import _CLIENT_STREAM, Evaluation, derive_seed
+from . import messages as m
+from .node import check_flower_method, experiment_text
+
+PARTICIPATION_FILE = "participation.jsonl"
+
+
+@dataclass(frozen=True)
+class FlowerOptions:
+    """How long the server waits for nodes, and how often it looks for replies."""
+
+    round_timeout: float | None = 600.0  # seconds for one wave of replies; None waits forever
+    node_wait: float = 300.0  # seconds to wait at the start for nodes holding every client
+    poll_interval: float = 0.2  # seconds between looks for replies
+
+    def __post_init__(self) -> None:
+        if self.round_timeout is not None and self.round_timeout <= 0:
+            raise ValueError(f"round_timeout must be > 0 seconds (or None), got {self.round_timeout}")
+        if self.node_wait < 0 or self.poll_interval <= 0:
+            raise ValueError("node_wait must be >= 0 and poll_interval > 0")
+
+
+def roster_clients(entries: list[m.RosterEntry]) -> list[ClientData]:
+    """ClientData that carry only what the server may know of each client (name, domain, origin, split
+    sizes, sample shape): every sample is one zero broadcast to its shape, so the splits cost no memory;
+    the data stay on the nodes."""
+    def blank(n: int, shape: str, dtype: str) -> torch.Tensor:
+        dims = tuple(int(s) for s in shape.split(",") if s)
+        return torch.zeros((1,) * (1 + len(dims)), dtype=getattr(torch, dtype)).expand(n, *dims)
+
+    def split(n: int, e: m.RosterEntry) -> Split:
+        return Split(blank(n, e.x_shape, e.x_dtype), blank(n, e.y_shape, e.y_dtype))
+
+    return [ClientData(e.name, e.domain, split(e.num_train, e), split(e.num_test, e),
+                       None if e.num_val < 0 else split(e.num_val, e), e.origin,
+                       meta={"index": e.index, **({"external": True} if e.external else {})})
+            for e in sorted(entries, key=lambda e: e.index)]
+
+
+# ------------------------------------------------------------------------------------------ transport
+def exchange(grid, items: list[tuple[str, int, RecordDict]], message_type: str, options: FlowerOptions,
+             group: str = "") -> tuple[dict[str, Message], dict[str, str]]:
+    """Send each ``(key, node, content)``; (replies by key, key -> id of the message left unanswered).
+
+    A node gets one message at a time (waves), so its ClientApp never runs two clients at once on the same
+    ``Context.state``; a node silent in one wave gets no more. Replies are polled every
+    ``options.poll_interval`` seconds, for at most ``options.round_timeout`` seconds per wave."""
+    waves: list[list[tuple[str, int, RecordDict]]] = []
+    depth: dict[int, int] = {}
+    for item in items:
+        k = depth.get(item[1], 0)
+        depth[item[1]] = k + 1
+        if k == len(waves):
+            waves.append([])
+        waves[k].append(item)
+    out: dict[str, Message] = {}
+    unanswered: dict[str, str] = {}
+    silent: set[int] = set()
+    for wave in waves:
+        unanswered.update({key: "" for key, node, _ in wave if node in silent})
+        wave = [item for item in wave if item[1] not in silent]
+        if not wave:
+            continue
+        messages = [Message(content, dst_node_id=node, message_type=message_type, group_id=group)
+                    for _, node, content in wave]
+        ids = list(grid.push_messages(messages))
+        pending = {mid: key for mid, (key, _, _) in zip(ids, wave) if mid}
+        unanswered.update({key: "" for mid, (key, _, _) in zip(ids, wave) if not mid})
+        deadline = None if options.round_timeout is None else time.monotonic() + options.round_timeout
+        while pending:
+            for reply in grid.pull_messages(list(pending)):
+                key = pending.pop(reply.metadata.reply_to_message_id, None)
+                if key is not None:
+                    out[key] = reply
+            if not pending or (deadline is not None and time.monotonic() > deadline):
+                break
+            time.sleep(options.poll_interval)
+        unanswered.update({key: mid for mid, key in pending.items()})
+        silent |= {node for key, node, _ in wave if key in unanswered}
+    return out, unanswered
+
+
+def _error_text(reply: Message) -> str:
+    error = reply.error
+    return f"error {error.code}: {(error.reason or '').strip().splitlines()[-1] if error.reason else 'no reason given'}"
+
+
+# ------------------------------------------------------------------------------------------ roster
+class Roster:
+    """Which SuperNode holds which client, learned by asking each node that connects (a query message)."""
+
+    def __init__(self, grid, config: ExperimentConfig, options: FlowerOptions) -> None:
+        self.grid, self.options = grid, options
+        self.experiment = experiment_text(config)
+        self.expected: int | None = None  # the federation's size, as the first node to answer counts it
+        self.entries: dict[int, m.RosterEntry] = {}
+        self.node_of: dict[str, int] = {}
+        self.known: set[int] = set()
+        self.online: set[int] = set()  # nodes Flower reports online (their heartbeats arrive)
+        self.lost: dict[int, list[str]] = {}  # node -> ids of its messages left unanswered
+
+    def discover(self) -> None:
+        """Take back lost nodes that answered since, and ask every node not seen before which clients it holds."""
+        self.online = set(self.grid.get_node_ids())
+        self.revive()
+        new = [n for n in self.online if n not in self.known]
+        if not new:
+            return
+        content = RecordDict({m.CELL: m.CellRequest(self.experiment).record()})
+        items = [(str(n), n, content) for n in new]
+        wait = min(self.options.round_timeout or float("inf"), max(self.options.node_wait, 1.0))
+        replies, unanswered = exchange(self.grid, items, MessageType.QUERY, replace(self.options, round_timeout=wait),
+                                       group="roster")
+        for key in unanswered:
+            log(WARNING, "fednorm: node %s did not answer the roster query; it is asked again later", key)
+        for key, reply in replies.items():
+            node = int(key)
+            self.known.add(node)
+            if reply.has_error():
+                log(WARNING, "fednorm: node %s cannot take part (%s)", node, _error_text(reply))
+                continue
+            try:
+                entries = m.decode_roster(reply.content, node)
+            except UpdateError as exc:
+                log(WARNING, "fednorm: %s", exc)
+                continue
+            for e in entries:
+                if self.expected is None:
+                    self.expected = e.total
+                if e.total != self.expected:
+                    raise RunError(f"node {node} counts {e.total} clients in the federation, another node "
+                                   f"{self.expected}: do the nodes run the same fednorm version on the same data?")
+                if not 0 <= e.index < self.expected:
+                    log(WARNING, "fednorm: node %s claims client %r at index %s, outside the federation's %s "
+                        "clients; ignored", node, e.name, e.index, self.expected)
+                    continue
+                old = self.node_of.get(e.name)
+                if old is not None and old not in self.lost and old != node:
+                    raise RunError(f"client {e.name!r} is held by two nodes ({old} and {node}); give each SuperNode "
+                                   "its own clients in --node-config")
+                if old is not None and old != node:
+                    log(WARNING, "fednorm: client %r is now held by node %s (its node %s was lost; its local "
+                        "state starts afresh)", e.name, node, old)
+                self.entries[e.index], self.node_of[e.name] = e, node
+            log(INFO, "fednorm: node %s holds %s", node, [e.name for e in entries])
+
+    def wait_for_all(self) -> list[ClientData]:
+        """Wait until nodes hold every client of the federation; the roster clients in federation order."""
+        deadline = time.monotonic() + self.options.node_wait
+        while True:
+            self.discover()
+            missing = sorted(set(range(self.expected)) - set(self.entries)) if self.expected is not None else ["all"]
+            if not missing:
+                return roster_clients(list(self.entries.values()))
+            if time.monotonic() > deadline:
+                raise RunError(
+                    f"after {self.options.node_wait:.0f} s no SuperNode holds client indexes {missing[:10]} of the "
+                    f"federation ({self.expected or 'no node answered'}); start one per client with --node-config "
+                    "\"client-index=K\" (`fednorm flower clients CONFIG` lists them)")
+            time.sleep(min(1.0, max(self.options.poll_interval, 0.05)))
+
+    def node(self, client: str) -> int | None:
+        """The live node holding ``client``, or None (none holds it, it missed a reply, or Flower reports it
+        offline)."""
+        node = self.node_of.get(client)
+        return None if node is None or node in self.lost or node not in self.online else node
+
+    def lose(self, node: int, message_id: str = "") -> None:
+        """``node`` left message ``message_id`` unanswered: leave its clients out until it answers."""
+        if node not in self.lost:
+            held = sorted(c for c, n in self.node_of.items() if n == node)
+            log(WARNING, "fednorm: node %s did not answer in time; its clients %s are left out until it answers "
+                "or a node holding them connects", node, held)
+        self.lost.setdefault(node, [])
+        if message_id:
+            self.lost[node].append(message_id)
+
+    def revive(self) -> None:
+        """A lost node whose late reply has arrived is alive (only slow): it takes part again. Its late
+        replies are dropped (their round is over); the client keeps the training it did for them."""
+        for node, ids in list(self.lost.items()):
+            if not ids or node not in self.online:
+                continue
+            answered = [r for r in self.grid.pull_messages(ids) if r.metadata.src_node_id == node]
+            if answered:
+                del self.lost[node]
+                log(WARNING, "fednorm: node %s answered late; it takes part again", node)
+
+
+# ------------------------------------------------------------------------------------------ engine
+class FlowerEngine:
+    """One cell on Flower: the in-process engine's server side over a roster, clients reached by messages.
+
+    Has the round interface the runner drives (``round``, ``run_round``, ``evaluate``, ``state_dict``,
+    ``load_state_dict``)."""
+
+    def __init__(self, grid, roster: Roster, config: ExperimentConfig, method_cfg: MethodConfig, seed: int,
+                 clients: list[ClientData], options: FlowerOptions = FlowerOptions(),
+                 cell_dir: Path | None = None) -> None:
+        check_flower_method(method_cfg)
+        self.grid, self.roster, self.options = grid, roster, options
+        self.core = build_engine(config, method_cfg, seed, clients)
+        self.label, self.seed = method_cfg.display, seed
+        self.experiment = experiment_text(config)
+        self.participation_path = None if cell_dir is None else Path(cell_dir) / PARTICIPATION_FILE
+        if self.participation_path is not None and self.participation_path.exists():
+            self.participation_path.unlink()  # a cell restarts from round 0 (or its checkpoint, rewritten below)
+
+    @property
+    def round(self) -> int:
+        return self.core.round
+
+    # -------------------------------------------------------------- messages
+    def _cell(self, client: str, record_as: str = "", splits: tuple[str, ...] = ()) -> m.CellRequest:
+        return m.CellRequest(self.experiment, self.label, self.seed, client, record_as or client, splits)
+
+    def _global(self) -> ArrayRecord:
+        return m.to_arrays({k: self.core.global_state[k] for k in self.core.shared_keys})
+
+    def _send(self, message_type: str, plan: list[tuple[str, str, RecordDict]], group: str
+              ) -> tuple[dict[str, Message], dict[str, str]]:
+        """Send each ``(key, client, content)`` to the node holding ``client``; (replies without error by key,
+        left-out key -> reason)."""
+        self.roster.discover()  # a restarted node may hold lost clients again
+        items, dropped, client_of = [], {}, {}
+        for key, client, content in plan:
+            node = self.roster.node(client)
+            client_of[key] = client
+            if node is None:
+                dropped[key] = "no live node holds it"
+            else:
+                items.append((key, node, content))
+        replies: dict[str, Message] = {}
+        received, unanswered = exchange(self.grid, items, message_type, self.options, group)
+        for key, message_id in unanswered.items():
+            dropped[key] = f"no reply within {self.options.round_timeout} s (node died or too slow)"
+            self.roster.lose(self.roster.node_of[client_of[key]], message_id)
+        for key, reply in received.items():
+            if reply.has_error():
+                dropped[key] = _error_text(reply)
+            else:
+                replies[key] = reply
+        return replies, dropped
+
+    # -------------------------------------------------------------- rounds
+    def run_round(self) -> dict[str, LocalResult]:
+        """One round: the sampled clients train on their nodes, the server aggregates the valid replies."""
+        core, r = self.core, self.core.round
+        participants = core.sample_clients(r)
+        weights = client_weights([c.num_train for c in participants], core.federation.weighting)
+        lr = core.training.lr_at(r)
+        prox = not (core.method.prox_schedule == "fedbn_code" and r == 0)
+        freeze = core.freeze_round is not None and r >= core.freeze_round
+        index = {c.name: i for i, c in enumerate(core.clients)}
+        shared, server_state = self._global(), m.to_arrays(core.algorithm_server_state)
+        input_state = m.to_arrays(core.input_state)
+        plan = []
+        for client, weight in zip(participants, weights):
+            instructions = RoundInstructions(
+                round=r, num_participants=len(participants), lr=lr, weight=weight, freeze_bn_stats=freeze, prox=prox,
+                seed=derive_seed(core.federation.seed, r, index[client.name], _CLIENT_STREAM))
+            plan.append((client.name, client.name, RecordDict({
+                m.CELL: self._cell(client.name).record(), m.INSTRUCTIONS: m.instructions_record(instructions),
+                m.GLOBAL: shared, m.SERVER_STATE: server_state, m.INPUT_STATE: input_state})))
+        replies, dropped = self._send(MessageType.TRAIN, plan, group=f"train-{r}")
+        if core.shared_keys:
+            core.server.begin(core.global_state)
+        accepted: list[tuple[ClientReply, dict, LocalResult]] = []
+        received: set[str] = set()
+        for client, weight in zip(participants, weights):
+            if client.name not in replies:
+                continue
+            try:
+                reply, message, result = m.decode_reply(replies[client.name].content, client.name, weight)
+                received |= set(reply.state) | {f"message:{k}" for k in message}
+                if core.shared_keys:
+                    core.server.validate(reply)
+                self._check_message(client.name, message)
+            except UpdateError as exc:
+                dropped[client.name] = str(exc)
+                continue
+            accepted.append((reply, message, result))
+        for client, reason in dropped.items():
+            log(WARNING, "fednorm: round %s: client %r left out of the round: %s", r + 1, client, reason)
+        if dropped and accepted:
+            total = sum(reply.weight for reply, _, _ in accepted)
+            accepted = [(replace(reply, weight=reply.weight / total), message, result)
+                        for reply, message, result in accepted]
+        kept = "updated"
+        if not accepted:
+            log(WARNING, "fednorm: round %s: no client reply remains; the global model stays as it was", r + 1)
+            kept = "unchanged (no reply)"
+        else:
+            try:
+                if core.shared_keys:
+                    for reply, _, _ in accepted:
+                        core.server.add(reply)
+                    core.global_state.update(core.server.finish())
+                messages = [msg for _, msg, _ in accepted]
+                core.algorithm_server_state = core.algorithm.update_server_state(
+                    core.algorithm_server_state, [_algorithm_part(msg) for msg in messages], len(core.clients))
+                core.input_state = update_input_state(core.input_state, messages)
+            except UpdateError as exc:
+                log(WARNING, "fednorm: round %s: the server update failed (%s); the global model stays as it was",
+                    r + 1, exc)
+                kept = f"unchanged ({exc})"
+        core.round += 1
+        used = [reply.client for reply, _, _ in accepted]
+        log(INFO, "fednorm: %s seed %s round %s/%s: %s of %s sampled clients used", self.label, self.seed,
+            core.round, core.federation.rounds, len(used), len(participants))
+        self._record({"round": core.round, "kind": "train", "sampled": [c.name for c in participants],
+                      "used": used, "clients_used": len(used), "dropped": dropped, "global_model": kept,
+                      "sent_keys": sorted(core.shared_keys), "received_keys": sorted(received)})
+        return {reply.client: result for reply, _, result in accepted}
+
+    def _check_message(self, client: str, message: dict[str, torch.Tensor]) -> None:
+        """The client algorithm's message must match its server state (SCAFFOLD's control variates)."""
+        state = self.core.algorithm_server_state
+        for k, v in message.items():
+            if k.startswith("amp.") and (not v.is_floating_point() or not torch.isfinite(v).all()):
+                raise UpdateError(f"client {client!r} sent an invalid image amplitude {k!r}")
+        message = _algorithm_part(message)
+        if not message:
+            if state and self.core.algorithm.stateful:
+                raise UpdateError(f"client {client!r} sent no client-algorithm message")
+            return
+        if set(message) != set(state):
+            raise UpdateError(f"client {client!r} sent client-algorithm entries {sorted(message)[:3]}..., expected "
+                              f"{sorted(state)[:3]}...")
+        for k, v in message.items():
+            if v.shape != state[k].shape:
+                raise UpdateError(f"client {client!r} sent {k!r} with shape {tuple(v.shape)}, expected "
+                                  f"{tuple(state[k].shape)}")
+            if v.is_floating_point() and not torch.isfinite(v).all():
+                raise UpdateError(f"client {client!r} sent non-finite values in its client-algorithm message {k!r}")
+
+    def evaluate(self, splits: tuple[str, ...] = ("test", "val")) -> list[Evaluation]:
+        """Every evaluation client's metrics, computed on its node with its own local state (a domain's
+        evaluation, with the global model, on the node of the domain's first client)."""
+        names = {c.name for c in self.core.clients}
+        shared, input_state = self._global(), m.to_arrays(self.core.input_state)
+        plan = []
+        for target in self.core.eval_clients:
+            source = target.name if target.name in names else next(
+                c.name for c in self.core.clients if c.domain == target.name)
+            plan.append((target.name, source, RecordDict({
+                m.CELL: self._cell(source, target.name, tuple(splits)).record(), m.GLOBAL: shared,
+                m.INPUT_STATE: input_state})))
+        modes = self._external_modes() if "test" in splits and self.core.external_clients else ()
+        for client in self.core.external_clients if modes else []:
+            cell = replace(self._cell(client.name), external_modes=modes)
+            plan.append((client.name, client.name, RecordDict({
+                m.CELL: cell.record(), m.GLOBAL: shared, m.INPUT_STATE: input_state})))
+        replies, dropped = self._send(MessageType.EVALUATE, plan, group=f"evaluate-{self.core.round}")
+        out: list[Evaluation] = []
+        for name, _, _ in plan:
+            if name not in replies:
+                continue
+            try:
+                found = m.decode_evaluations(replies[name].content, name)
+                out += sorted(found, key=lambda e: self._order(e, splits))
+            except UpdateError as exc:
+                dropped[name] = str(exc)
+        for client, reason in dropped.items():
+            log(WARNING, "fednorm: evaluation after round %s: client %r left out: %s", self.core.round, client, reason)
+        self._record({"round": self.core.round, "kind": "evaluate", "evaluated": sorted({e.client for e in out}),
+                      "dropped": dropped})
+        return out
+
+    def _order(self, e: Evaluation, splits: tuple[str, ...]) -> tuple[int, int]:
+        """The in-process engine's order within one client's evaluations: by split, external modes as listed."""
+        mode = e.client.rsplit(":", 1)[-1] if ":" in e.client else ""
+        modes = self.core.external_modes
+        return (splits.index(e.split) if e.split in splits else len(splits),
+                modes.index(mode) if mode in modes else -1)
+
+    def _external_modes(self) -> tuple[str, ...]:
+        """The external evaluation modes that need nothing but the global model: ``fedbn_average`` averages the
+        clients' local BN parameters, which never leave their nodes on Flower."""
+        modes = self.core.external_modes
+        if self.core.local_keys and "fedbn_average" in modes:
+            if not getattr(self, "_noted_average", False):
+                log(WARNING, "fednorm: external mode fedbn_average needs the clients' local BN parameters, which stay "
+                    "on their nodes on Flower; it is left out (global and test_time_bn are evaluated)")
+                self._noted_average = True
+            modes = tuple(x for x in modes if x != "fedbn_average")
+        return modes
+
+    def _record(self, record: dict) -> None:
+        """One line of ``participation.jsonl`` (with the wall-clock time it was written)."""
+        if self.participation_path is not None:
+            store.append_metrics(self.participation_path, [{**record, "time": time.time()}])
+
+    # -------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        """The server's state (global model, server optimizer, client algorithm server state); the clients'
+        local state is on their nodes and not in it."""
+        return {**self.core.state_dict(), "engine": "flower"}
+
+    def load_state_dict(self, state: dict) -> None:
+        method = self.core.method
+        if method.stateful_clients or self.core.federation.persistent_optimizer:
+            raise RunError(
+                f"method {self.label!r} keeps state on each client, which ended with the Flower run that held it; "
+                "a Flower cell of such a method cannot resume from a checkpoint: delete the cell folder to rerun it")
+        self.core.load_state_dict(state)
+
+
+# ------------------------------------------------------------------------------------------ the ServerApp's main
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the ServerApp needs: the experiment, where its run folder goes, and the options."""
+
+    experiment: str  # resolved config, YAML
+    out: str  # the run folder, on the machine that runs the ServerApp (the SuperLink's)
+    options: FlowerOptions = field(default_factory=FlowerOptions)
+
+    @classmethod
+    def from_run_config(cls, run_config) -> "ServerSettings":
+        """From the Flower run config (``[tool.flwr.app.config]`` of the app folder, ``flwr run --run-config``)."""
+        cfg = dict(run_config)
+        missing = [k for k in ("experiment", "out") if not cfg.get(k)]
+        if missing:
+            raise RunError(f"the Flower run config lacks {missing}; write the app folder with `fednorm flower app`")
+        timeout = float(cfg.get("round-timeout", 600.0))
+        return cls(str(cfg["experiment"]), str(cfg["out"]), FlowerOptions(
+            round_timeout=timeout if timeout > 0 else None, node_wait=float(cfg.get("node-wait", 300.0))))
+
+
+def run_experiment(grid, settings: ServerSettings, progress=None) -> list[CellResult]:
+    """Run every (method, seed) cell of the experiment over the grid's SuperNodes into ``settings.out``."""
+    from .node import load_experiment
+
+    config = load_experiment(settings.experiment)
+    for method_cfg in config.methods:
+        check_flower_method(method_cfg)
+    run_dir = Path(settings.out)
+    if (run_dir / store.CONFIG_FILE).exists():
+        raise RunError(f"{run_dir} already holds a run; choose another output folder")
+    log(INFO, "fednorm: %s: waiting for SuperNodes holding every client", config.name)
+    roster = Roster(grid, config, settings.options)
+    clients = roster.wait_for_all()
+
+    def build(cfg: ExperimentConfig, method_cfg: MethodConfig, seed: int, cell_clients: list[ClientData]):
+        return FlowerEngine(grid, roster, cfg, method_cfg, seed, cell_clients, settings.options,
+                            store.cell_dir(run_dir, method_cfg.display, seed))
+
+    results = start_run(config, run_dir, progress=progress, clients=clients, build=build)
+    store.write_json(run_dir / "flower.json", {
+        "engine": "flower", "flwr": _flwr_version(), "nodes": sorted(roster.known), "lost_nodes": sorted(roster.lost),
+        "clients": {c.name: roster.node_of.get(c.name) for c in clients},
+        "options": {"round_timeout": settings.options.round_timeout, "node_wait": settings.options.node_wait},
+    })
+    log(INFO, "fednorm: %s finished; results in %s", config.name, run_dir)
+    return results
+
+
+def _flwr_version() -> str:
+    from importlib.metadata import version
+
+    return version("flwr")
+
+
+def _algorithm_part(message: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A client's message without HarmoFL's image amplitude (``amp.*``), which goes to the input state."""
+    return {k: v for k, v in message.items() if not k.startswith("amp.")}

@@ -1,0 +1,168 @@
+"""The bad-reply policy, on a grid that runs the ClientApps in this process (no network, fast).
+
+A reply that is missing, an error, or malformed (missing arrays, wrong shape or dtype, NaN / Inf) is left
+out of its round with a log line; the remaining weights are renormalized; with no reply left the global
+model stays; a node that missed a reply is not asked again. Every round's participation is recorded.
+"""
+
+import json
+
+import pytest
+import torch
+from flwr.app import Error, Message
+
+from fednorm.engines.flower import messages as m
+from fednorm.engines.flower.app import make_client_app
+from fednorm.engines.flower.node import experiment_text
+from fednorm.engines.flower.server import PARTICIPATION_FILE, FlowerOptions, ServerSettings, run_experiment
+from fednorm.methods.aggregation import UpdateError
+from fednorm.methods.server import ClientReply, ServerSpec, ServerUpdate
+from fednorm.runs import store
+
+from .conftest import tiny_config
+from .fakegrid import FakeGrid, Late
+
+THREE = "data.domains=[rendered/print, rendered/neon, rendered/synth]"
+
+
+def run_fake(tmp_path, config, tamper=None, nodes=None, timeout=2.0):
+    nodes = nodes or [{"client-index": i} for i in range(len(config.data.domains))]
+    grid = FakeGrid(make_client_app(), nodes, tamper)
+    out = tmp_path / "run"
+    run_experiment(grid, ServerSettings(experiment_text(config), str(out), FlowerOptions(round_timeout=timeout,
+                                                                                         node_wait=5)))
+    return grid, out / config.methods[0].display / "seed0"
+
+
+def participation(cell):
+    return [r for r in store.read_metrics(cell / PARTICIPATION_FILE) if r["kind"] == "train"]
+
+
+def edit_state(edit):
+    def change(reply):
+        state = m.from_arrays(reply.content, m.STATE)
+        edit(state)
+        reply.content[m.STATE] = m.to_arrays(state)
+        return reply
+    return change
+
+
+def first_conv(state):
+    return next(k for k in state if k.endswith("weight") and state[k].ndim == 4)
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda s: s[first_conv(s)].view(-1).__setitem__(0, float("nan")), "non-finite"),
+    (lambda s: s[first_conv(s)].view(-1).__setitem__(0, float("inf")), "non-finite"),
+    (lambda s: s.__setitem__(first_conv(s), torch.zeros(3, 3)), "shape"),
+    (lambda s: s.__setitem__(first_conv(s), s[first_conv(s)].double()), "float64"),
+    (lambda s: s.pop(first_conv(s)), "missing"),
+])
+def test_a_malformed_reply_is_left_out_and_the_weights_renormalized(tmp_path, caplog, edit, reason):
+    config = tiny_config(THREE, "federation.rounds=2", "federation.eval_every=2")
+    kept: dict = {}
+
+    def tamper(node_id, msg, reply):
+        if msg.metadata.group_id == "train-1":
+            if node_id == 101:
+                return edit_state(edit)(reply)
+            kept[node_id] = m.decode_reply(reply.content, reply.content[m.CELL]["client"], 0.0)[0]
+        return reply
+
+    grid, cell = run_fake(tmp_path, config, tamper)
+    rounds = participation(cell)
+    assert [r["clients_used"] for r in rounds] == [3, 2]
+    assert list(rounds[1]["dropped"]) == ["rendered/neon"] and reason in rounds[1]["dropped"]["rendered/neon"]
+    assert "left out of the round" in caplog.text and reason in caplog.text
+    # the global model is the renormalized weighted mean of the two replies left (FedAvg by sample count)
+    final = torch.load(cell / "checkpoint.pt", weights_only=False)["global_state"]
+    sizes = {100: 40, 102: 40}
+    total = sum(sizes.values())
+    for k in [k for k in kept[100].state if kept[100].state[k].is_floating_point()]:
+        expected = sum(kept[n].state[k].double() * sizes[n] / total for n in kept)
+        assert torch.allclose(final[k].double(), expected, atol=1e-6), k
+    # the run went on: the evaluation after the last round covers every client
+    tests = [r for r in store.read_metrics(cell / "metrics.jsonl") if r["split"] == "test"]
+    assert {r["client"] for r in tests} == {"rendered/print", "rendered/neon", "rendered/synth"}
+
+
+def test_an_error_reply_is_left_out(tmp_path):
+    config = tiny_config(THREE, "federation.rounds=2", "federation.eval_every=2")
+
+    def tamper(node_id, msg, reply):
+        if node_id == 102 and msg.metadata.group_id == "train-0":
+            return Message(Error(code=2, reason="Traceback ...\nFloatingPointError: loss became nan"), reply_to=msg)
+        return reply
+
+    grid, cell = run_fake(tmp_path, config, tamper)
+    rounds = participation(cell)
+    assert [r["clients_used"] for r in rounds] == [2, 3]
+    assert "FloatingPointError: loss became nan" in rounds[0]["dropped"]["rendered/synth"]
+
+
+def test_a_node_that_dies_is_left_out_and_the_run_finishes(tmp_path, caplog):
+    config = tiny_config(THREE, "federation.rounds=3", "federation.eval_every=1")
+
+    def tamper(node_id, msg, reply):
+        return FakeGrid.DIE if node_id == 102 and msg.metadata.group_id == "train-1" else reply
+
+    grid, cell = run_fake(tmp_path, config, tamper, timeout=0.5)
+    rounds = participation(cell)
+    assert [r["clients_used"] for r in rounds] == [3, 2, 2]
+    assert "no reply within" in rounds[1]["dropped"]["rendered/synth"]
+    assert rounds[2]["dropped"] == {"rendered/synth": "no live node holds it"}
+    assert "node 102 did not answer in time" in caplog.text
+    tests = [r for r in store.read_metrics(cell / "metrics.jsonl") if r["split"] == "test"]
+    assert {r["client"] for r in tests if r["round"] == 3} == {"rendered/print", "rendered/neon"}
+    assert json.loads((cell / "summary.json").read_text())["rounds"] == 3
+
+
+def test_a_slow_node_is_left_out_of_its_round_and_takes_part_again(tmp_path, caplog):
+    config = tiny_config(THREE, "federation.rounds=3", "federation.eval_every=3")
+
+    def tamper(node_id, msg, reply):
+        return Late(reply) if node_id == 102 and msg.metadata.group_id == "train-0" else reply
+
+    grid, cell = run_fake(tmp_path, config, tamper, timeout=0.3)
+    assert [r["clients_used"] for r in participation(cell)] == [2, 3, 3]
+    assert "node 102 answered late; it takes part again" in caplog.text
+
+
+def test_with_no_reply_left_the_global_model_stays(tmp_path, caplog):
+    config = tiny_config("federation.rounds=2", "federation.eval_every=2")
+    nan = edit_state(lambda s: s[first_conv(s)].view(-1).__setitem__(0, float("nan")))
+
+    def tamper(node_id, msg, reply):
+        return nan(reply) if msg.metadata.group_id == "train-1" else reply
+
+    grid, cell = run_fake(tmp_path, config, tamper)
+    rounds = participation(cell)
+    assert rounds[1]["clients_used"] == 0 and rounds[1]["global_model"] == "unchanged (no reply)"
+    assert "no client reply remains" in caplog.text
+    sent = next(msg for msg in grid.sent if msg.metadata.group_id == "train-1")
+    before = m.from_arrays(sent.content, m.GLOBAL)
+    final = torch.load(cell / "checkpoint.pt", weights_only=False)["global_state"]
+    assert all(torch.equal(final[k], v) for k, v in before.items())
+    train = [r for r in store.read_metrics(cell / "metrics.jsonl") if r["split"] == "train"]
+    assert {r["round"] for r in train} == {1}  # no training record for the round nobody completed
+
+
+def test_validate_checks_without_changing_anything():
+    shared = {"w": torch.zeros(2, 2), "bn.running_mean": torch.zeros(2), "bn.num_batches_tracked": torch.tensor(0)}
+    server = ServerUpdate(ServerSpec(), shared, param_keys={"w"})
+    with pytest.raises(RuntimeError, match="begin"):
+        server.validate(ClientReply("a", shared, 1.0))
+    server.begin(shared)
+    good = {"w": torch.ones(2, 2), "bn.running_mean": torch.ones(2), "bn.num_batches_tracked": torch.tensor(3)}
+    server.validate(ClientReply("a", good, 1.0))
+    for bad, match in [({**good, "w": torch.full((2, 2), float("nan"))}, "non-finite"),
+                       ({**good, "w": torch.ones(3)}, "shape"),
+                       ({**good, "w": torch.ones(2, 2, dtype=torch.float64)}, "float64"),
+                       ({k: v for k, v in good.items() if k != "w"}, "missing"),
+                       ({**good, "extra": torch.ones(1)}, "unexpected")]:
+        with pytest.raises(UpdateError, match=match):
+            server.validate(ClientReply("a", bad, 1.0))
+    with pytest.raises(UpdateError, match="weight"):
+        server.validate(ClientReply("a", good, float("nan")))
+    server.add(ClientReply("a", good, 1.0))  # nothing was summed by the failed checks
+    assert torch.equal(server.finish()["w"], torch.ones(2, 2))

@@ -1,0 +1,61 @@
+"""The Flower engine gives the in-process engine's numbers, message by message (ClientApps in this process)."""
+
+import pytest
+
+from fednorm.engines.flower.app import make_client_app
+from fednorm.engines.flower.node import experiment_text
+from fednorm.engines.flower.server import FlowerOptions, ServerSettings, run_experiment
+from fednorm.runs import store
+from fednorm.runs.runner import start_run
+
+from .conftest import tiny_config
+from .fakegrid import FakeGrid
+
+
+def in_process_and_flower(tmp_path, config, nodes=None):
+    start_run(config, tmp_path / "in_process")
+    nodes = nodes or [{"client-index": i} for i in range(len(config.data.domains) * config.data.clients_per_domain)]
+    grid = FakeGrid(make_client_app(), nodes)
+    run_experiment(grid, ServerSettings(experiment_text(config), str(tmp_path / "flower"), FlowerOptions(node_wait=5)))
+    return grid
+
+
+def metrics(run, config):
+    return {m.display: store.read_metrics(run / m.display / "seed0" / store.METRICS_FILE) for m in config.methods}
+
+
+@pytest.mark.parametrize("extra", [
+    ["methods=[fedbn, fedavg]"],
+    ["methods=[scaffold, silobn, fednova]", "federation.persistent_optimizer=true", "training.momentum=0.9"],
+    ["methods=[harmofl, fixbn]", "federation.rounds=2", "federation.eval_every=1", "data.val_fraction=0.2"],
+    ["methods=[{name: fbn, server: {rule: median, nnm: true}}]", "data.domains=[rendered/print]",
+     "data.partition=gamma", "data.num_clients=4", "training.steps=2", "federation.weighting=uniform",
+     "federation.byzantine={count: 1, attack: sign_flip}", "federation.fraction=0.75"],
+])
+def test_flower_metrics_equal_the_in_process_engine(tmp_path, extra):
+    config = tiny_config(*extra)
+    nodes = [{"partition-id": i, "num-partitions": 2} for i in range(2)]  # a node may hold several clients
+    in_process_and_flower(tmp_path, config, nodes)
+    assert metrics(tmp_path / "flower", config) == metrics(tmp_path / "in_process", config)
+
+
+def bn_keys(config):
+    """Every BatchNorm entry of the cell's model, found by module type."""
+    from fednorm.methods.policy import local_state_keys
+    from fednorm.runs.runner import build_engine, build_federation_data
+
+    engine = build_engine(config, config.methods[0], 0, build_federation_data(config, None))
+    return set(local_state_keys(engine.model, "local_bn"))
+
+
+def test_fedbn_state_never_leaves_the_nodes(tmp_path):
+    config = tiny_config("methods=[fedbn]", "federation.rounds=2")
+    grid = in_process_and_flower(tmp_path, config)
+    bn = bn_keys(config)
+    assert bn
+    for msg in grid.sent + grid.received:  # everything that went over the wire, both ways
+        for record in msg.content.array_records.values():
+            assert not bn & set(record), sorted(bn & set(record))
+    for context in grid.contexts.values():  # ... and it is on the nodes
+        local = [r for name, r in context.state.array_records.items() if name.endswith("/local")]
+        assert local and set(local[0]) == bn

@@ -1,0 +1,93 @@
+"""What travels in messages and what a node keeps: conversions are exact both ways, decoding is strict."""
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from fednorm.engines.client_step import ClientMemory, RoundInstructions
+from fednorm.engines.flower import messages as m
+from fednorm.engines.simulation import Evaluation
+from fednorm.methods.aggregation import UpdateError
+from fednorm.methods.local_update import LocalResult
+from fednorm.methods.server import ClientReply
+
+
+def test_tensors_round_trip_exactly():
+    state = {"w": torch.randn(4, 3, 2, 2).contiguous(memory_format=torch.channels_last),
+             "bn.num_batches_tracked": torch.tensor(7), "half": torch.randn(3).double()}
+    back = m.from_arrays(RecordDict({"x": m.to_arrays(state)}), "x")
+    assert list(back) == list(state)
+    for k, v in state.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v)
+    assert m.from_arrays(RecordDict({"x": m.to_arrays({})}), "x") == {}
+
+
+def test_instructions_round_trip():
+    ins = RoundInstructions(round=3, num_participants=5, lr=0.0123456789, weight=1 / 3, freeze_bn_stats=True,
+                            prox=False, seed=2**62 + 12345)
+    assert m.decode_instructions(RecordDict({m.INSTRUCTIONS: m.instructions_record(ins)})) == ins
+
+
+def test_reply_round_trip_and_the_server_weight_wins():
+    reply = ClientReply("a", {"w": torch.ones(2, 2), "n": torch.tensor(3)}, 0.25, 7, {"bn1": 32})
+    content = m.encode_reply(reply, {"c.w": torch.zeros(2, 2)}, LocalResult(12.5, 40, 7))
+    back, message, result = m.decode_reply(content, "a", weight=0.5)
+    assert back.weight == 0.5 and back.num_steps == 7 and back.bn_counts == {"bn1": 32}
+    assert torch.equal(back.state["w"], reply.state["w"]) and back.state["n"].dtype == torch.int64
+    assert torch.equal(message["c.w"], torch.zeros(2, 2))
+    assert (result.loss_sum, result.num_examples, result.num_steps) == (12.5, 40, 7)
+
+
+@pytest.mark.parametrize("drop, match", [(m.STATE, "no 'state' arrays"), (m.METRICS, "no 'metrics' record"),
+                                         (m.CELL, "names client None")])
+def test_decoding_a_reply_without_a_record_fails_clearly(drop, match):
+    content = m.encode_reply(ClientReply("a", {"w": torch.ones(1)}, 1.0, 1), {}, LocalResult(1.0, 1, 1))
+    del content[drop]
+    with pytest.raises(UpdateError, match=match):
+        m.decode_reply(content, "a", 1.0)
+
+
+def test_a_reply_for_another_client_or_with_bad_counts_is_refused():
+    content = m.encode_reply(ClientReply("b", {"w": torch.ones(1)}, 1.0, 1), {}, LocalResult(1.0, 1, 1))
+    with pytest.raises(UpdateError, match="names client 'b'"):
+        m.decode_reply(content, "a", 1.0)
+    content = m.encode_reply(ClientReply("a", {"w": torch.ones(1)}, 1.0, 1), {}, LocalResult(float("nan"), 1, 1))
+    with pytest.raises(UpdateError, match="non-finite training loss"):
+        m.decode_reply(content, "a", 1.0)
+    content[m.METRICS] = MetricRecord({"num_steps": -1, "num_examples": 1, "loss_sum": 1.0, "weight": 1.0})
+    with pytest.raises(UpdateError, match="invalid step"):
+        m.decode_reply(content, "a", 1.0)
+
+
+def test_client_memory_lives_in_context_state():
+    state = RecordDict()
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    memory = ClientMemory({"bn.weight": torch.rand(3), "bn.num_batches_tracked": torch.tensor(2)}, opt.state_dict(),
+                          {"c_i.w": torch.rand(2, 2)})
+    m.save_memory(state, "p", memory)
+    back = m.load_memory(state, "p")
+    assert torch.equal(back.local_state["bn.weight"], memory.local_state["bn.weight"])
+    assert back.local_state["bn.num_batches_tracked"].dtype == torch.int64
+    assert torch.equal(back.algorithm_state["c_i.w"], memory.algorithm_state["c_i.w"])
+    buf = memory.optimizer_state["state"][0]["momentum_buffer"]
+    assert torch.equal(back.optimizer_state["state"][0]["momentum_buffer"], buf)
+    assert m.load_memory(state, "other") == ClientMemory()
+
+
+def test_roster_and_evaluations_round_trip():
+    entries = [m.RosterEntry(1, 4, "d-2", "d", "rendered", False, 40, 60, -1, "3,28,28", "uint8", "", "int64"),
+               m.RosterEntry(3, 4, "x", "x", "real", True, 0, 20, 5, "3,28,28", "uint8", "", "int64")]
+    assert m.decode_roster(RecordDict({m.ROSTER: m.roster_record(entries)}), 7) == entries
+    evals = [Evaluation("c", "test", 0.5, 1.25, 60), Evaluation("c", "val", 0.75, 0.5, 8, "dice")]
+    assert m.decode_evaluations(m.encode_evaluations(evals), "c") == evals
+    with pytest.raises(UpdateError, match="evaluation of 'c'"):
+        m.decode_evaluations(m.encode_evaluations(evals), "other")
+    bad = RecordDict({"eval.c|test": ConfigRecord({"client": "c", "split": "test", "acc": 2.0, "loss": 0.0, "n": 3,
+                                                   "metric": "accuracy"})})
+    with pytest.raises(UpdateError, match="invalid evaluation"):
+        m.decode_evaluations(bad, "c")
+    with pytest.raises(UpdateError, match="without a 'roster'"):
+        m.decode_roster(RecordDict({"x": ArrayRecord()}), 7)
