@@ -68,8 +68,10 @@ def _handler(state: ServerState):
             if state.cut_after is not None:
                 body = body[: state.cut_after]
                 self.close_connection = True
-            self.wfile.write(body)
+            # recorded before writing: the client may have read the whole body (and the test checked the log)
+            # before this thread runs again, so setting it afterwards would race under load
             entry["sent"] = len(body)
+            self.wfile.write(body)
 
     return Handler
 
