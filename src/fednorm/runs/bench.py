@@ -49,7 +49,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..data.domain import ClientData, Split
 from ..data.federation import is_rendered
-from ..methods.local_update import LocalTraining, batch_schedule, has_batchnorm, native_bf16, resolve_precision
+from ..methods.local_update import LocalTraining, batch_schedule, has_batchnorm, native_bf16
 from . import store
 from .config import ExperimentConfig, MethodConfig, load_config, validate
 
@@ -397,7 +397,9 @@ def bench_speed(config: ExperimentConfig, method_cfg: MethodConfig, seed: int, c
 
     def after_client(args, kwargs, out):
         start = time.perf_counter()
-        client, instructions, result = args[0], args[1], out[2]
+        client = args[0] if args else kwargs["client"]
+        instructions = args[1] if len(args) > 1 else kwargs["instructions"]
+        result = out[2]
         trained.append((result.num_examples, result.num_steps))
         batches = client_batches(client, instructions.seed, instructions.freeze_bn_stats, result.num_examples,
                                  result.num_steps)
