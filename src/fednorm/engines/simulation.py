@@ -70,6 +70,13 @@ class Evaluation:
     metric: str = "accuracy"  # what ``accuracy`` holds: the task's main score ("accuracy" or "dice")
 
 
+def _without(data: Split, index: torch.Tensor) -> Split:
+    """``data`` minus the samples at ``index`` (those a client adapted on before being tested)."""
+    keep = torch.ones(len(data), dtype=torch.bool)
+    keep[index] = False
+    return data.subset(keep.nonzero().flatten())
+
+
 class InProcessEngine:
     """Runs a :class:`Method` over clients, one round at a time, in this process."""
 
@@ -290,9 +297,7 @@ class InProcessEngine:
             for split in splits:
                 data = getattr(client, split)
                 if data is not None and split in held:
-                    keep = torch.ones(len(data), dtype=torch.bool)
-                    keep[held[split]] = False
-                    data = data.subset(keep.nonzero().flatten())
+                    data = _without(data, held[split])
                 if data is None or len(data) == 0:
                     continue
                 acc, loss = self.evaluate_split(data, prepare)
@@ -318,9 +323,7 @@ class InProcessEngine:
                 data = client.test
                 held = self.algorithm.evaluation_holdout(client).get("test")
                 if held is not None:
-                    keep = torch.ones(len(data), dtype=torch.bool)
-                    keep[held] = False
-                    data = data.subset(keep.nonzero().flatten())
+                    data = _without(data, held)
                 if len(data) == 0:
                     continue
                 result = evaluate_external(self.model, data, prepare, mode, self.external_bn, states,

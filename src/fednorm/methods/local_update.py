@@ -221,18 +221,23 @@ def train_locally(
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
             return model(inputs)
 
+    def training_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The task's loss plus the client algorithm's extra term (MOON, ...), at the current weights."""
+        logits = forward(x)
+        loss = cfg.task.loss(logits, y)
+        if algorithm is not None:
+            extra = algorithm.loss_term(context, model, x, y, logits)
+            if extra is not None:
+                loss = loss + extra
+        return loss
+
     for step, index in enumerate(schedule):
         x = prepare(data.x[index])
         y = cfg.task.target(data.y[index])  # segmentation masks: uint8 -> int64, one batch at a time
         optimizer.zero_grad(set_to_none=True)
         custom = algorithm.compute_gradients(context, model, x, y, forward) if algorithm is not None else None
         if custom is None:
-            logits = forward(x)
-            loss = cfg.task.loss(logits, y)
-            if algorithm is not None:
-                extra = algorithm.loss_term(context, model, x, y, logits)
-                if extra is not None:
-                    loss = loss + extra
+            loss = training_loss(x, y)
             value = float(loss.detach())
         else:
             value = float(custom)
@@ -247,13 +252,7 @@ def train_locally(
             perturbation.perturb()
             optimizer.zero_grad(set_to_none=True)
             try:
-                again = forward(x)
-                loss_at_delta = cfg.task.loss(again, y)
-                if algorithm is not None:
-                    extra = algorithm.loss_term(context, model, x, y, again)
-                    if extra is not None:
-                        loss_at_delta = loss_at_delta + extra
-                loss_at_delta.backward()
+                training_loss(x, y).backward()
             finally:
                 perturbation.restore()  # the step starts from theta, with the gradient of theta + delta
         if prox and not (prox_skip_epoch_start and step % per_epoch == 0):
