@@ -140,6 +140,27 @@ def report(
 
 
 @app.command()
+def landscape(
+    run_dir: Path = typer.Argument(..., help="a run folder written by `fednorm run`"),
+    method: Optional[str] = typer.Option(None, "--method", help="method label (default: the run's first)"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="seed (default: the run's first)"),
+    span: float = typer.Option(1.0, "--span", help="grid half-width in filter-normalized units (HarmoFL Fig. 6: 8)"),
+    points: int = typer.Option(11, "--points", help="grid points per axis"),
+    samples: int = typer.Option(256, "--samples", help="training samples per client"),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder, if it moved since the run"),
+) -> None:
+    """Each client's training loss on a 2-D slice around a cell's global model (HarmoFL Fig. 1 / Fig. 6),
+    from the cell's last checkpoint, as a PNG in the cell folder."""
+    from ..diagnostics.landscape import landscape_of_cell
+
+    try:
+        path = landscape_of_cell(run_dir, method, seed, data_dir, span=span, points=points, samples=samples)
+    except (*_USER_ERRORS, ValueError) as exc:
+        _fail(exc)
+    console.print(f"landscape: {path}")
+
+
+@app.command()
 def methods() -> None:
     """List the methods, one line each."""
     for name, m in PRESETS.items():

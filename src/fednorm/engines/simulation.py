@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data.domain import ClientData, Split
+from ..diagnostics.gradients import Dissimilarity, dissimilarity, full_gradient
 from ..methods.aggregation import client_weights
 from ..methods.local_update import LocalResult, LocalTraining, batch_schedule, has_batchnorm, train_locally
 from ..methods.policy import local_state_keys
@@ -31,6 +32,7 @@ from ..models.fbn import federated_bn_layers
 
 _SAMPLING_STREAM = 1
 _CLIENT_STREAM = 2
+_DIAGNOSTIC_STREAM = 5
 
 
 def derive_seed(*parts: int) -> int:
@@ -331,6 +333,22 @@ class InProcessEngine:
                 out.append(Evaluation(f"{client.name}:{mode}", "test", result.accuracy, result.loss,
                                       result.num_examples))
         return out
+
+    # ---------------------------------------------------------------- diagnostics
+    def gradient_dissimilarity(self, samples: int = 256) -> Dissimilarity:
+        """Gradient dissimilarity of the training clients at the current global model
+        (:mod:`fednorm.diagnostics.gradients`); leaves the run's state untouched."""
+        prepare = self.runner.evaluation_prepare(self.input_state)
+        weights = client_weights([c.num_train for c in self.clients], self.federation.weighting)
+        torch.manual_seed(derive_seed(self.federation.seed, self.round, _DIAGNOSTIC_STREAM))  # dropout
+        batch = max(self.training.batch_size, 2)  # BN batch statistics need two samples; the mean loss is the same
+        gradients = []
+        for client in self.clients:
+            self.load_client(client.name)
+            gradients.append(full_gradient(self.model, client.train, self.training.task, prepare, self.shared_params,
+                                           samples, batch))
+        self.model.load_state_dict(self.global_state)
+        return dissimilarity(gradients, weights)
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:

@@ -75,6 +75,8 @@ class LocalTraining:
     # the loss (and evaluation score) of the run's task: cross-entropy for classification, a Dice loss or CE +
     # Dice for segmentation (:mod:`fednorm.methods.tasks`)
     task: Task = CLASSIFICATION
+    # HarmoFL's client drift (Eq. 9): record Gamma_i = 1/K sum_k ||theta_k - theta_0||^2 over the round's K steps
+    track_drift: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -98,6 +100,9 @@ class LocalResult:
     loss_sum: float
     num_examples: int
     num_steps: int
+    # HarmoFL's per-client drift Gamma_i of the round (Eq. 9 / App. C.3), when ``LocalTraining.track_drift``:
+    # the mean over local steps k = 1..K of ||theta_k - theta_0||^2, over every trainable parameter
+    drift: float | None = None
 
     @property
     def mean_loss(self) -> float:
@@ -217,6 +222,9 @@ def train_locally(
         perturbation = WeightPerturbation(optimizer, alpha=weight_perturbation)
     if algorithm is not None:
         algorithm.on_start(context, model)
+    drift_origin = [p.detach().clone() for p in params.values()] if cfg.track_drift else None
+    drift_sum = 0.0
+
     def forward(inputs: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
             return model(inputs)
@@ -266,8 +274,20 @@ def train_locally(
         if clipped:
             clip_unitwise_(clipped, agc_clip)
         optimizer.step()
+        if drift_origin is not None:
+            drift_sum += squared_distance(list(params.values()), drift_origin)
         loss_sum += value * len(index)
         seen += len(index)
     if algorithm is not None:
         context.scratch["message"] = algorithm.on_end(context, model, len(schedule))
-    return LocalResult(loss_sum, seen, len(schedule)), optimizer.state_dict()
+    drift = drift_sum / max(len(schedule), 1) if drift_origin is not None else None
+    return LocalResult(loss_sum, seen, len(schedule), drift), optimizer.state_dict()
+
+
+@torch.no_grad()
+def squared_distance(current: list[torch.Tensor], origin: list[torch.Tensor]) -> float:
+    """||current - origin||^2 summed over a list of tensors (one fused pass: torch._foreach ops)."""
+    if not current:
+        return 0.0
+    norms = torch._foreach_norm(torch._foreach_sub([t.detach() for t in current], origin))
+    return float(torch.stack(norms).square().sum())

@@ -306,6 +306,22 @@ class ExternalConfig(_Strict):
                           reset=self.reset, predict=self.predict, shuffle_seed=self.shuffle_seed)
 
 
+class DiagnosticsConfig(_Strict):
+    """HarmoFL's drift diagnostics (:mod:`fednorm.diagnostics`), off by default (they cost compute)."""
+
+    drift: bool = Field(False, description="record each client's drift Gamma_i = 1/K sum_k ||theta_k - theta_0||^2 "
+                        "per round (HarmoFL Eq. 9), as 'drift' in its training record; plotted in drift.png")
+    gradient_dissimilarity: bool = Field(
+        False, description="at every evaluation round, the clients' gradient dissimilarity at the global model "
+        "(B^2 = sum p_i ||g_i||^2 / ||g||^2 and the mean pairwise ||g_i - g_j||); in-process engine only")
+    samples: int = Field(256, ge=2, description="training samples per client for the gradients and the landscape")
+    landscape: bool = Field(False, description="at the end of each cell, every client's training loss on a 2-D "
+                            "slice around the global model (landscape.png; or `fednorm landscape RUN` afterwards)")
+    landscape_span: float = Field(1.0, gt=0, description="the grid covers [-span, span]^2 in units of the "
+                                  "filter-normalized directions (HarmoFL Fig. 6 also shows 8x the range)")
+    landscape_points: int = Field(11, ge=2, le=101, description="grid points per axis")
+
+
 class ExperimentConfig(_Strict):
     name: str = "experiment"
     description: str = ""
@@ -316,6 +332,7 @@ class ExperimentConfig(_Strict):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     federation: FederationConfig = Field(default_factory=FederationConfig)
     external: ExternalConfig = Field(default_factory=ExternalConfig)
+    diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
     paper: dict[str, dict[str, float]] | None = Field(
         None, description="the paper's numbers for this preset: method -> domain -> accuracy (%) (Dice (%) for "
         "segmentation)"

@@ -32,10 +32,12 @@ def _score(records: list[dict]) -> str:
 
 def plot_cell(records: list[dict], cell: Path) -> None:
     """accuracy.png (test accuracy, or Dice for segmentation, per client) and loss.png (training loss per client)
-    in ``cell``."""
+    in ``cell``; with the run's diagnostics, drift.png (client drift per round) and dissimilarity.png."""
     for name, split, key, ylabel in (
         ("accuracy.png", "test", "acc", f"test {_score(records)} (%)"),
         ("loss.png", "train", "loss", "training loss (mean over local steps)"),
+        ("drift.png", "train", "drift", "client drift Γ_i = mean_k ||θ_k - θ||²"),
+        ("dissimilarity.png", "diagnostics", "dissimilarity", "gradient dissimilarity Σp_i||g_i||² / ||g||²"),
     ):
         series = _series(records, split, key)
         if not series:
@@ -82,3 +84,40 @@ def plot_comparison(run_dir: Path, cells: list[tuple[str, int]]) -> None:
     fig.tight_layout()
     fig.savefig(Path(run_dir) / "comparison.png", dpi=110)
     plt.close(fig)
+
+
+DIAGNOSTICS = (("drift", "train", "mean client drift Γ (HarmoFL Eq. 9)"),
+               ("dissimilarity", "diagnostics", "gradient dissimilarity B² at the global model"),
+               ("pairwise", "diagnostics", "mean pairwise ||g_i - g_j||"))
+
+
+def plot_diagnostics(run_dir: Path, cells: list[tuple[str, int]]) -> bool:
+    """diagnostics.png: per method (mean over seeds), the mean client drift and the gradient dissimilarity per
+    round, for runs with the ``diagnostics`` section on; False (no file) when no cell recorded any."""
+    curves: dict[str, dict[str, dict[int, list[float]]]] = {key: defaultdict(dict) for key, _, _ in DIAGNOSTICS}
+    for label, seed in cells:
+        records = store.read_metrics(store.cell_dir(run_dir, label, seed) / store.METRICS_FILE)
+        for key, split, _ in DIAGNOSTICS:
+            by_round: dict[int, list[float]] = defaultdict(list)
+            for r in records:
+                if r["split"] == split and key in r:
+                    by_round[r["round"]].append(r[key])
+            for rnd, vals in by_round.items():
+                curves[key][label].setdefault(rnd, []).append(float(np.mean(vals)))
+    shown = [(key, title) for key, _, title in DIAGNOSTICS if curves[key]]
+    if not shown:
+        return False
+    fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False)
+    for ax, (key, title) in zip(axes[0], shown):
+        for label, by_round in curves[key].items():
+            rounds = sorted(by_round)
+            ax.plot(rounds, [np.mean(by_round[r]) for r in rounds], label=label)
+        ax.set_xlabel("round")
+        ax.set_ylabel(title)
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(Path(run_dir) / "diagnostics.png", dpi=110)
+    plt.close(fig)
+    return True

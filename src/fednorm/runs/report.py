@@ -129,7 +129,7 @@ def read_summaries(run_dir: Path) -> list[dict]:
 
 
 def write_run_report(run_dir: Path, config, results) -> ResultsTable:
-    from .plots import plot_comparison
+    from .plots import plot_comparison, plot_diagnostics
 
     table = build_table([r.summary for r in results], paper=config.paper)
     title = f"# {config.name}\n\n{config.description}\n\nTest {table.score_label} (%) after round " \
@@ -137,4 +137,5 @@ def write_run_report(run_dir: Path, config, results) -> ResultsTable:
     (Path(run_dir) / "results.md").write_text(title + table.markdown())
     store.write_json(Path(run_dir) / "results.json", table.to_dict())
     plot_comparison(run_dir, [(r.label, r.seed) for r in results])
+    plot_diagnostics(run_dir, [(r.label, r.seed) for r in results])
     return table

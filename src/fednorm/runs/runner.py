@@ -32,6 +32,9 @@ from .config import ExperimentConfig, MethodConfig, validate
 _INIT_STREAM = 3
 _VAL_STREAM = 4
 RUN_INFO_FILE = "run.json"
+# metrics.jsonl records of the whole federation (not of a client): the gradient dissimilarity diagnostics
+FEDERATION_RECORD = "federation"
+DIAGNOSTICS_SPLIT = "diagnostics"
 PARTITIONS_FILE = "partitions.json"
 
 ProgressFn = Callable[[str, int, int, int, dict], None]  # (method label, seed, round, rounds, last metrics)
@@ -156,6 +159,8 @@ def build_engine(
     training = config.training.build(task=config.task())
     if method_cfg.lr is not None:
         training = replace(training, lr=method_cfg.lr)
+    if config.diagnostics.drift:
+        training = replace(training, track_drift=True)
     return InProcessEngine(
         model, train_clients, method, training, federation, prepare_features if features else normalize_batch,
         eval_clients=evaluation_clients(config, clients, method_cfg),
@@ -215,7 +220,7 @@ def run_cell(
         r = engine.round
         records = [
             {"round": r, "client": name, "split": "train", "loss": res.mean_loss, "steps": res.num_steps,
-             "n": res.num_examples}
+             "n": res.num_examples, **({"drift": res.drift} if res.drift is not None else {})}
             for name, res in train_results.items()
         ]
         last: dict = {}
@@ -231,6 +236,10 @@ def run_cell(
             tests = [e.accuracy for e in evals if e.split == "test" and e.client not in external_names]
             if tests:
                 last["test_acc"] = sum(tests) / len(tests)
+            if config.diagnostics.gradient_dissimilarity:
+                measured = engine.gradient_dissimilarity(config.diagnostics.samples)
+                records.append({"round": r, "client": FEDERATION_RECORD, "split": DIAGNOSTICS_SPLIT,
+                                **measured.as_record()})
         store.append_metrics(metrics_path, records)
         if r % f.checkpoint_every == 0 or r == rounds:
             store.save_checkpoint(checkpoint_path, engine.state_dict())
@@ -238,6 +247,14 @@ def run_cell(
             progress(label, seed, r, rounds, last)
     internal, external = split_external(clients)
     reported = evaluation_clients(config, internal, method_cfg) + external_entries(external, config.external.modes)
+    if config.diagnostics.landscape:  # before the summary: a stop here redoes only the landscape on resume
+        from ..diagnostics import landscape
+
+        d = config.diagnostics
+        result = landscape.landscape(engine, span=d.landscape_span, points=d.landscape_points, samples=d.samples,
+                                     seed=seed)
+        landscape.save(result, cell, title=f"{label}, seed {seed}: training loss around the global model "
+                       f"(round {engine.round})")
     summary = summarize_cell(store.read_metrics(metrics_path), reported, label,
                              seed, rounds)
     store.write_json(cell / store.SUMMARY_FILE, summary)

@@ -25,7 +25,7 @@ def metrics(run, config):
 
 
 @pytest.mark.parametrize("extra", [
-    ["methods=[fedbn, fedavg]"],
+    ["methods=[fedbn, fedavg]", "diagnostics.drift=true"],  # HarmoFL's client drift travels in the reply
     ["methods=[scaffold, silobn, fednova]", "federation.persistent_optimizer=true", "training.momentum=0.9"],
     ["methods=[harmofl, fixbn]", "federation.rounds=2", "federation.eval_every=1", "data.val_fraction=0.2"],
     ["methods=[{name: fbn, server: {rule: median, nnm: true}}]", "data.domains=[rendered/print]",
@@ -37,6 +37,16 @@ def test_flower_metrics_equal_the_in_process_engine(tmp_path, extra):
     nodes = [{"partition-id": i, "num-partitions": 2} for i in range(2)]  # a node may hold several clients
     in_process_and_flower(tmp_path, config, nodes)
     assert metrics(tmp_path / "flower", config) == metrics(tmp_path / "in_process", config)
+
+
+def test_diagnostics_that_need_every_clients_data_are_refused_on_flower(tmp_path):
+    from fednorm.runs.runner import RunError
+
+    config = tiny_config("diagnostics.gradient_dissimilarity=true")
+    grid = FakeGrid(make_client_app(), [{"client-index": 0}, {"client-index": 1}])
+    with pytest.raises(RunError, match="in-process engine"):
+        run_experiment(grid, ServerSettings(experiment_text(config), str(tmp_path / "f"), FlowerOptions(node_wait=5)))
+    assert not (tmp_path / "f").exists()
 
 
 def bn_keys(config):

@@ -91,3 +91,13 @@ def test_roster_and_evaluations_round_trip():
         m.decode_evaluations(bad, "c")
     with pytest.raises(UpdateError, match="without a 'roster'"):
         m.decode_roster(RecordDict({"x": ArrayRecord()}), 7)
+
+
+def test_drift_travels_with_the_reply_and_a_bad_drift_is_refused():
+    reply = ClientReply("a", {"w": torch.ones(1)}, 1.0, 3)
+    back = m.decode_reply(m.encode_reply(reply, {}, LocalResult(1.0, 8, 3, drift=0.125)), "a", 1.0)[2]
+    assert back.drift == 0.125
+    assert m.decode_reply(m.encode_reply(reply, {}, LocalResult(1.0, 8, 3)), "a", 1.0)[2].drift is None
+    content = m.encode_reply(reply, {}, LocalResult(1.0, 8, 3, drift=float("inf")))
+    with pytest.raises(UpdateError, match="invalid drift"):
+        m.decode_reply(content, "a", 1.0)

@@ -113,12 +113,15 @@ def decode_instructions(content: RecordDict) -> RoundInstructions:
 # ------------------------------------------------------------------------------------------ replies
 def encode_reply(reply: ClientReply, message: dict[str, torch.Tensor], result: LocalResult) -> RecordDict:
     """The node's answer to a train message."""
+    metrics = {"weight": float(reply.weight), "num_steps": int(reply.num_steps),
+               "loss_sum": float(result.loss_sum), "num_examples": int(result.num_examples)}
+    if result.drift is not None:
+        metrics["drift"] = float(result.drift)  # diagnostics.drift (HarmoFL's Gamma_i)
     return RecordDict({
         CELL: ConfigRecord({"client": reply.client}),
         STATE: to_arrays(reply.state),
         ALGORITHM_MESSAGE: to_arrays(message),
-        METRICS: MetricRecord({"weight": float(reply.weight), "num_steps": int(reply.num_steps),
-                               "loss_sum": float(result.loss_sum), "num_examples": int(result.num_examples)}),
+        METRICS: MetricRecord(metrics),
         BN_COUNTS: MetricRecord({k: int(v) for k, v in reply.bn_counts.items()}),
     })
 
@@ -150,8 +153,11 @@ def decode_reply(content: RecordDict, client: str, weight: float
     counts = {} if counts_record is None else dict(counts_record)
     if any(not isinstance(v, int) for v in counts.values()):
         raise UpdateError(f"{who} sent non-integer FBN batch sizes {counts}")
+    drift = metrics.get("drift")
+    if drift is not None and not (isinstance(drift, float) and math.isfinite(drift) and drift >= 0):
+        raise UpdateError(f"{who} reported an invalid drift {drift!r} (a finite squared distance >= 0)")
     reply = ClientReply(client, state, weight, num_steps, counts)
-    return reply, message, LocalResult(loss_sum, num_examples, num_steps)
+    return reply, message, LocalResult(loss_sum, num_examples, num_steps, drift)
 
 
 # ------------------------------------------------------------------------------------------ evaluation

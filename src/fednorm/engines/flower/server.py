@@ -475,6 +475,11 @@ def run_experiment(grid, settings: ServerSettings, progress=None) -> list[CellRe
     config = load_experiment(settings.experiment)
     for method_cfg in config.methods:
         check_flower_method(method_cfg)
+    d = config.diagnostics
+    if d.gradient_dissimilarity or d.landscape:
+        raise RunError("diagnostics.gradient_dissimilarity and diagnostics.landscape evaluate every client's data in "
+                       "one process, which a Flower server does not hold: run them with the in-process engine "
+                       "(`fednorm run`); diagnostics.drift works on Flower")
     run_dir = Path(settings.out)
     if (run_dir / store.CONFIG_FILE).exists():
         raise RunError(f"{run_dir} already holds a run; choose another output folder")
