@@ -1,6 +1,5 @@
 """FedWon, FixBN and cross-device federations in the in-process engine."""
 
-import numpy as np
 import pytest
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm

@@ -10,8 +10,7 @@ from torch import nn
 from fednorm.data.domain import Split
 from fednorm.methods.external import (
     ABLATION_MOMENTA, ABLATION_TEST_BATCH_SIZES, DEFAULT_MOMENTUM, DEFAULT_TEST_BATCH_SIZE, FEDBN_APPENDIX_G,
-    ExternalBN, average_bn_affine, batch_order, evaluate_external, evaluate_fedbn_average, evaluate_global,
-    evaluate_test_time_bn, reestimate_bn_statistics,
+    ExternalBN, average_bn_affine, batch_order, evaluate_external, evaluate_fedbn_average, evaluate_test_time_bn, reestimate_bn_statistics,
 )
 
 

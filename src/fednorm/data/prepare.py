@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from .cifar10 import CIFAR10_CLASSES, CIFAR10_FILE
-from .datafolder import MANIFEST_NAME, resolve_data_dir
+from .datafolder import MANIFEST_NAME
 from .digits import REAL_DIGIT_DOMAINS
 from .domain import DataError
 from .objects import DEFAULT_SIZE, DOMAINNET, OFFICE_CALTECH10, ObjectDataset, RawImages, check_size

@@ -16,7 +16,6 @@ from typing import Callable, Iterable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..data.domain import ClientData, Split
@@ -27,7 +26,7 @@ from ..methods.policy import local_state_keys
 from ..methods.presets import Method
 from ..methods.external import EXTERNAL_MODES, ExternalBN, evaluate_external
 from .client_step import ClientMemory, ClientRunner, RoundInstructions, update_input_state
-from ..methods.server import LocalSchedule, ServerUpdate, Threat
+from ..methods.server import ClientReply, LocalSchedule, ServerUpdate, Threat
 from ..models.fbn import federated_bn_layers
 
 _SAMPLING_STREAM = 1
@@ -194,43 +193,61 @@ class InProcessEngine:
         lr = self.training.lr_at(r)
         return self.training if lr == self.training.lr else replace(self.training, lr=lr)
 
-    def run_round(self) -> dict[str, LocalResult]:
-        """One communication round: local training of the sampled clients, then the server update."""
-        r = self.round
+    def round_plan(self, r: int) -> list[tuple[ClientData, RoundInstructions]]:
+        """The participants of round ``r`` and what the server tells each (the same for every engine)."""
         participants = self.sample_clients(r)
-        if self.method.union_batches:
-            return self._run_union_round(r, participants)
         weights = client_weights([c.num_train for c in participants], self.federation.weighting)
-        training = self._round_training(r)
+        lr = self.training.lr_at(r)
         prox = not (self.method.prox_schedule == "fedbn_code" and r == 0)
         freeze = self.freeze_round is not None and r >= self.freeze_round
+        return [(client, RoundInstructions(
+            round=r, num_participants=len(participants), lr=lr, weight=weight, freeze_bn_stats=freeze, prox=prox,
+            seed=derive_seed(self.federation.seed, r, self._index[client.name], _CLIENT_STREAM)))
+            for client, weight in zip(participants, weights)]
+
+    def aggregate(self, replies: Iterable[ClientReply], messages: list[dict[str, torch.Tensor]]) -> None:
+        """The server side of a round, for every engine: fold the clients' replies into the global state with
+        the method's server update, then update the client algorithm's server state and HarmoFL's input state
+        from the clients' ``messages``. ``replies`` may be a generator (in-process: each client trains when the
+        server is ready to fold its reply in, so one reply is held at a time); ``messages`` is read after it."""
         if self.shared_keys:
             self.server.begin(self.global_state)
-        results: dict[str, LocalResult] = {}
-        messages: list[dict[str, torch.Tensor]] = []
-        for client, weight in zip(participants, weights):
-            instructions = RoundInstructions(
-                round=r, num_participants=len(participants), lr=training.lr, weight=weight, freeze_bn_stats=freeze,
-                prox=prox, seed=derive_seed(self.federation.seed, r, self._index[client.name], _CLIENT_STREAM))
-            memory = ClientMemory(self.local_states.get(client.name, {}), self.optimizer_states.get(client.name),
-                                  self.algorithm_states.setdefault(client.name, {}) if self.algorithm.stateful else {})
-            reply, message, result = self.runner.run(client, instructions, self.global_state,
-                                                     self.algorithm_server_state, memory,
-                                                     copy_reply=self.server.collecting, input_state=self.input_state)
-            if self.local_keys:
-                self.local_states[client.name] = memory.local_state
-            if self.federation.persistent_optimizer:
-                self.optimizer_states[client.name] = memory.optimizer_state
-            if self.shared_keys:
+            for reply in replies:
                 self.server.add(reply)
-            messages.append(message)
-            results[client.name] = result
-        if self.shared_keys:
             self.global_state.update(self.server.finish())
+        else:
+            for _ in replies:
+                pass
         algorithm_messages = [{k: v for k, v in m.items() if not k.startswith("amp.")} for m in messages]
         self.algorithm_server_state = self.algorithm.update_server_state(
             self.algorithm_server_state, algorithm_messages, len(self.clients))
         self.input_state = update_input_state(self.input_state, messages)
+
+    def run_round(self) -> dict[str, LocalResult]:
+        """One communication round: local training of the sampled clients, then the server update."""
+        r = self.round
+        plan = self.round_plan(r)
+        if self.method.union_batches:
+            return self._run_union_round(r, [client for client, _ in plan])
+        results: dict[str, LocalResult] = {}
+        messages: list[dict[str, torch.Tensor]] = []
+
+        def train_each() -> Iterable[ClientReply]:
+            for client, instructions in plan:
+                memory = ClientMemory(self.local_states.get(client.name, {}), self.optimizer_states.get(client.name),
+                                      self.algorithm_states.setdefault(client.name, {}) if self.algorithm.stateful else {})
+                reply, message, result = self.runner.run(client, instructions, self.global_state,
+                                                         self.algorithm_server_state, memory,
+                                                         copy_reply=self.server.collecting, input_state=self.input_state)
+                if self.local_keys:
+                    self.local_states[client.name] = memory.local_state
+                if self.federation.persistent_optimizer:
+                    self.optimizer_states[client.name] = memory.optimizer_state
+                messages.append(message)
+                results[client.name] = result
+                yield reply
+
+        self.aggregate(train_each(), messages)
         self.round += 1
         return results
 

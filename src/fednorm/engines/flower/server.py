@@ -32,14 +32,13 @@ from flwr.app import ArrayRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 
 from ...data.domain import ClientData, Split
-from ...methods.aggregation import UpdateError, client_weights
+from ...methods.aggregation import UpdateError
 from ...methods.local_update import LocalResult
 from ...methods.server import ClientReply
 from ...runs import store
 from ...runs.config import ExperimentConfig, MethodConfig
 from ...runs.runner import CellResult, RunError, build_engine, start_run
-from ..client_step import RoundInstructions, update_input_state
-from ..simulation import _CLIENT_STREAM, Evaluation, derive_seed
+from ..simulation import Evaluation
 from . import messages as m
 from .node import check_flower_method, experiment_text
 
@@ -287,32 +286,24 @@ class FlowerEngine:
     def run_round(self) -> dict[str, LocalResult]:
         """One round: the sampled clients train on their nodes, the server aggregates the valid replies."""
         core, r = self.core, self.core.round
-        participants = core.sample_clients(r)
-        weights = client_weights([c.num_train for c in participants], core.federation.weighting)
-        lr = core.training.lr_at(r)
-        prox = not (core.method.prox_schedule == "fedbn_code" and r == 0)
-        freeze = core.freeze_round is not None and r >= core.freeze_round
-        index = {c.name: i for i, c in enumerate(core.clients)}
+        plan = core.round_plan(r)  # the in-process engine's participants and instructions
+        participants = [client for client, _ in plan]
         shared, server_state = self._global(), m.to_arrays(core.algorithm_server_state)
         input_state = m.to_arrays(core.input_state)
-        plan = []
-        for client, weight in zip(participants, weights):
-            instructions = RoundInstructions(
-                round=r, num_participants=len(participants), lr=lr, weight=weight, freeze_bn_stats=freeze, prox=prox,
-                seed=derive_seed(core.federation.seed, r, index[client.name], _CLIENT_STREAM))
-            plan.append((client.name, client.name, RecordDict({
-                m.CELL: self._cell(client.name).record(), m.INSTRUCTIONS: m.instructions_record(instructions),
-                m.GLOBAL: shared, m.SERVER_STATE: server_state, m.INPUT_STATE: input_state})))
-        replies, dropped = self._send(MessageType.TRAIN, plan, group=f"train-{r}")
+        sends = [(client.name, client.name, RecordDict({
+            m.CELL: self._cell(client.name).record(), m.INSTRUCTIONS: m.instructions_record(instructions),
+            m.GLOBAL: shared, m.SERVER_STATE: server_state, m.INPUT_STATE: input_state}))
+            for client, instructions in plan]
+        replies, dropped = self._send(MessageType.TRAIN, sends, group=f"train-{r}")
         if core.shared_keys:
-            core.server.begin(core.global_state)
+            core.server.begin(core.global_state)  # validate() checks replies against this round's global state
         accepted: list[tuple[ClientReply, dict, LocalResult]] = []
         received: set[str] = set()
-        for client, weight in zip(participants, weights):
+        for client, instructions in plan:
             if client.name not in replies:
                 continue
             try:
-                reply, message, result = m.decode_reply(replies[client.name].content, client.name, weight)
+                reply, message, result = m.decode_reply(replies[client.name].content, client.name, instructions.weight)
                 received |= set(reply.state) | {f"message:{k}" for k in message}
                 if core.shared_keys:
                     core.server.validate(reply)
@@ -333,14 +324,7 @@ class FlowerEngine:
             kept = "unchanged (no reply)"
         else:
             try:
-                if core.shared_keys:
-                    for reply, _, _ in accepted:
-                        core.server.add(reply)
-                    core.global_state.update(core.server.finish())
-                messages = [msg for _, msg, _ in accepted]
-                core.algorithm_server_state = core.algorithm.update_server_state(
-                    core.algorithm_server_state, [_algorithm_part(msg) for msg in messages], len(core.clients))
-                core.input_state = update_input_state(core.input_state, messages)
+                core.aggregate([reply for reply, _, _ in accepted], [msg for _, msg, _ in accepted])
             except UpdateError as exc:
                 log(WARNING, "fednorm: round %s: the server update failed (%s); the global model stays as it was",
                     r + 1, exc)
