@@ -344,6 +344,15 @@ def _flower_finish(run_dir: Path, cfg) -> None:
                   highlight=False)
 
 
+def _flower_config(config: Optional[str], set_: list[str], out: Path, resume: bool):
+    """The experiment: with --resume and no config given, the one the run folder was started with."""
+    if resume and config is None and not set_:
+        return load_run_config(out)
+    return load_config(config, set_)
+
+
+_RESUME = typer.Option(False, "--resume", help="continue the stopped run in --out from its checkpoints (the config "
+                       "is read from the run folder); methods with client state need nodes with a state-dir")
 _ROUND_TIMEOUT = typer.Option(600.0, "--round-timeout", help="seconds to wait for a round's replies before leaving "
                               "the missing clients out (0: wait forever)")
 _NODE_WAIT = typer.Option(300.0, "--node-wait", help="seconds to wait at the start for SuperNodes holding every client")
@@ -358,13 +367,14 @@ def flower_sim(
     nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="virtual SuperNodes (default one per client)"),
     cpus_per_node: float = typer.Option(1.0, "--cpus-per-node", help="CPUs of each Ray actor running a ClientApp"),
     round_timeout: float = _ROUND_TIMEOUT,
+    resume: bool = _RESUME,
 ) -> None:
     """Run an experiment on Flower's simulation runtime (Ray), every client a virtual SuperNode."""
     runtime = _flower()
     try:
-        cfg = load_config(config, set_)
+        cfg = _flower_config(config, set_, out, resume)
         runtime.simulate(cfg, out, data_dir=data_dir, nodes=nodes, cpus_per_node=cpus_per_node,
-                         options=_flower_options(round_timeout, 300.0))
+                         options=_flower_options(round_timeout, 300.0), resume=resume)
     except (*_USER_ERRORS, ValueError) as exc:
         _fail(exc)
     _flower_finish(out, cfg)
@@ -378,16 +388,18 @@ def flower_app_folder(
     out: Path = typer.Option(..., "--out", help="run folder, on the SuperLink's machine (made absolute)"),
     round_timeout: float = _ROUND_TIMEOUT,
     node_wait: float = _NODE_WAIT,
+    resume: bool = typer.Option(False, "--resume", help="the app continues the stopped run in --out (the config is "
+                                "read from it when the SuperLink's run folder is on this machine)"),
 ) -> None:
     """Write a Flower app folder that runs the experiment with `flwr run APP_DIR SUPERLINK` (deployment)."""
     runtime = _flower()
     try:
-        cfg = load_config(config, set_)
+        cfg = _flower_config(config, set_, out, resume)
         from ..engines.flower.node import check_flower_method
 
         for method_cfg in cfg.methods:
             check_flower_method(method_cfg)
-        path = runtime.write_app(app_dir, cfg, out, _flower_options(round_timeout, node_wait))
+        path = runtime.write_app(app_dir, cfg, out, _flower_options(round_timeout, node_wait), resume=resume)
     except (*_USER_ERRORS, ValueError) as exc:
         _fail(exc)
     console.print(f"wrote {path}; run it with: flwr run {app_dir} <superlink connection> --stream", highlight=False)
@@ -424,15 +436,17 @@ def flower_local(
     set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. --set federation.rounds=5"),
     out: Path = typer.Option(..., "--out", help="run folder"),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder of every SuperNode"),
-    workdir: Optional[Path] = typer.Option(None, "--workdir", help="logs and Flower's files (default OUT-flower)"),
+    workdir: Optional[Path] = typer.Option(None, "--workdir", help="logs, Flower's files and the nodes' client "
+                                           "state (default OUT-flower)"),
     round_timeout: float = _ROUND_TIMEOUT,
+    resume: bool = _RESUME,
 ) -> None:
     """Run an experiment on Flower's deployment runtime on this machine (a SuperLink, a SuperNode per client)."""
     runtime = _flower()
     try:
-        cfg = load_config(config, set_)
+        cfg = _flower_config(config, set_, out, resume)
         runtime.run_local(cfg, out, workdir or Path(f"{out}-flower"), data_dir=data_dir,
-                          options=_flower_options(round_timeout, 300.0))
+                          options=_flower_options(round_timeout, 300.0), resume=resume)
     except (*_USER_ERRORS, ValueError) as exc:
         _fail(exc)
     _flower_finish(out, cfg)

@@ -78,8 +78,8 @@ def test_client_memory_lives_in_context_state():
 
 
 def test_roster_and_evaluations_round_trip():
-    entries = [m.RosterEntry(1, 4, "d-2", "d", "rendered", False, 40, 60, -1, "3,28,28", "uint8", "", "int64"),
-               m.RosterEntry(3, 4, "x", "x", "real", True, 0, 20, 5, "3,28,28", "uint8", "", "int64")]
+    entries = [m.RosterEntry(1, 4, "d-2", "d", "rendered", False, 40, 60, -1, "3,28,28", "uint8", "", "int64", False),
+               m.RosterEntry(3, 4, "x", "x", "real", True, 0, 20, 5, "3,28,28", "uint8", "", "int64", True)]
     assert m.decode_roster(RecordDict({m.ROSTER: m.roster_record(entries)}), 7) == entries
     evals = [Evaluation("c", "test", 0.5, 1.25, 60), Evaluation("c", "val", 0.75, 0.5, 8, "dice")]
     assert m.decode_evaluations(m.encode_evaluations(evals), "c") == evals

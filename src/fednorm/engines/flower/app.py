@@ -26,10 +26,11 @@ def make_server_app(settings: ServerSettings | None = None, progress=None) -> Se
     return app
 
 
-def make_client_app(data_dir: str | None = None) -> ClientApp:
-    """The ClientApp; ``data_dir`` is the data folder of nodes whose node config names none."""
+def make_client_app(data_dir: str | None = None, state_dir: str | None = None) -> ClientApp:
+    """The ClientApp; ``data_dir`` is the data folder of nodes whose node config names none, ``state_dir`` the
+    folder of their clients' state on disk (the simulation's; deployment nodes name theirs: ``state-dir``)."""
     app = ClientApp()
-    node = NodeClients(data_dir)
+    node = NodeClients(data_dir, state_dir)
 
     @app.query()
     def roster(message: Message, context: Context) -> Message:

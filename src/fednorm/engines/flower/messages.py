@@ -77,11 +77,13 @@ class CellRequest:
     record_as: str = ""
     splits: tuple[str, ...] = ()
     external_modes: tuple[str, ...] = ()  # an external client's evaluation: under these modes
+    round: int = -1  # rounds completed when the message is sent (where a node's saved client state applies)
 
     def record(self) -> ConfigRecord:
         return ConfigRecord({"experiment": self.experiment, "method": self.method, "seed": int(self.seed),
                              "client": self.client, "record_as": self.record_as or self.client,
-                             "splits": list(self.splits), "external_modes": list(self.external_modes)})
+                             "splits": list(self.splits), "external_modes": list(self.external_modes),
+                             "round": int(self.round)})
 
     @classmethod
     def decode(cls, content: RecordDict) -> "CellRequest":
@@ -90,7 +92,7 @@ class CellRequest:
             raise ValueError("the message has no 'cell' record: it was not sent by a fednorm ServerApp")
         return cls(str(record["experiment"]), str(record["method"]), int(record["seed"]), str(record["client"]),
                    str(record["record_as"]), tuple(str(s) for s in record["splits"]),
-                   tuple(str(s) for s in record.get("external_modes", [])))
+                   tuple(str(s) for s in record.get("external_modes", [])), int(record.get("round", -1)))
 
 
 # ------------------------------------------------------------------------------------------ instructions
@@ -212,6 +214,7 @@ class RosterEntry:
     x_dtype: str
     y_shape: str
     y_dtype: str
+    persistent: bool  # the node keeps the client's state on disk (node config state-dir): resumable
 
 
 def roster_record(entries: list[RosterEntry]) -> ConfigRecord:

@@ -9,6 +9,7 @@ clients' data from it, on its own machine, by its node config:
 | ``client-index``          | the client's position in the federation (an int, or comma-separated ints) |
 | ``partition-id``, ``num-partitions`` | set by Flower's simulation runtime: node k holds clients k, k+n, ... |
 | ``data-dir``              | the node's data folder (else the config's ``data.data_dir``, FEDNORM_DATA, the user cache) |
+| ``state-dir``             | where the node keeps its clients' state between rounds on disk, so that a stopped run of a method with client state (FedBN, SCAFFOLD, ...) can resume (:mod:`.node_state`) |
 
 Where the federation's domains are independent (digits, rendered, PACS, CIFAR-10 and corrupted copies of
 them: each domain's clients depend on that domain's pool alone), a node loads only its own domains.
@@ -33,11 +34,14 @@ from ...data.domain import ClientData
 from ...data.federation import domain_eval_clients, parse_domain
 from ...data.partition import LABEL_SKEW_SCHEMES
 from ...runs.config import ByzantineConfig, ExperimentConfig, MethodConfig, validate
+from ..client_step import ClientMemory
 from . import messages as m
+from .node_state import NodeStateStore
 
 NODE_CLIENTS = "clients"
 NODE_CLIENT_INDEX = "client-index"
 NODE_DATA_DIR = "data-dir"
+NODE_STATE_DIR = "state-dir"
 PARTITION_ID = "partition-id"
 NUM_PARTITIONS = "num-partitions"
 
@@ -153,9 +157,10 @@ class NodeSpec:
     indexes: tuple[int, ...] = ()
     partition: tuple[int, int] | None = None  # (partition-id, num-partitions)
     data_dir: str | None = None
+    state_dir: str | None = None  # the clients' memories on disk (resumable runs), else Context.state only
 
     @classmethod
-    def from_node_config(cls, node_config, data_dir: str | None = None) -> "NodeSpec":
+    def from_node_config(cls, node_config, data_dir: str | None = None, state_dir: str | None = None) -> "NodeSpec":
         cfg = dict(node_config)
         names = tuple(s.strip() for s in str(cfg.get(NODE_CLIENTS, "")).split(",") if s.strip())
         raw = cfg.get(NODE_CLIENT_INDEX, "")
@@ -172,7 +177,8 @@ class NodeSpec:
                 "this SuperNode does not say which clients it holds: start it with --node-config "
                 "\"clients='NAME'\" or \"client-index=K\" (`fednorm flower clients CONFIG` lists them)")
         folder = cfg.get(NODE_DATA_DIR) or data_dir
-        return cls(names, indexes, partition, str(folder) if folder else None)
+        state = cfg.get(NODE_STATE_DIR) or state_dir
+        return cls(names, indexes, partition, str(folder) if folder else None, str(state) if state else None)
 
     def clients(self, config: ExperimentConfig) -> dict[int, ClientData]:
         """The node's clients with their data, by federation position."""
@@ -243,52 +249,71 @@ def _shape(t: torch.Tensor) -> str:
 
 
 class NodeClients:
-    """The handlers of the fednorm ClientApp on one node; ``data_dir`` is the default data folder."""
+    """The handlers of the fednorm ClientApp on one node; ``data_dir`` is the default data folder and
+    ``state_dir`` the default folder of the clients' state on disk (node config keys override both)."""
 
-    def __init__(self, data_dir: str | None = None) -> None:
-        self.data_dir = data_dir
+    def __init__(self, data_dir: str | None = None, state_dir: str | None = None) -> None:
+        self.data_dir, self.state_dir = data_dir, state_dir
+
+    def _spec(self, context: Context) -> NodeSpec:
+        return NodeSpec.from_node_config(context.node_config, self.data_dir, self.state_dir)
 
     def _client(self, context: Context, cell: m.CellRequest):
-        """(engine, initial state, client data) for the client ``cell`` names, which this node must hold."""
+        """(engine, initial state, client data, node spec) for the client ``cell`` names, which this node must
+        hold."""
         config = load_experiment(cell.experiment)
-        spec = NodeSpec.from_node_config(context.node_config, self.data_dir)
+        spec = self._spec(context)
         mine = {c.name: c for c in spec.clients(config).values()}
         if cell.client not in mine:
             raise NodeConfigError(f"this node holds {sorted(mine)}, not {cell.client!r}")
         client = mine[cell.client]
         engine, initial = node_engine(cell.experiment, cell.method, cell.seed, client)
-        return engine, initial, client
+        return engine, initial, client, spec
+
+    @staticmethod
+    def _load_memory(context: Context, spec: NodeSpec, prefix: str, at_round: int) -> ClientMemory:
+        """The client's memory as of ``at_round`` completed rounds: from the state folder when the node has one
+        (it survives the run), else from ``Context.state``."""
+        if spec.state_dir and at_round >= 0:
+            return NodeStateStore(spec.state_dir).load(prefix, at_round)
+        return m.load_memory(context.state, prefix)
 
     def roster(self, message: Message, context: Context) -> Message:
         """Answer the server's roster query: the node's clients, split sizes and sample shapes (never data)."""
         cell = m.CellRequest.decode(message.content)
         config = load_experiment(cell.experiment)
-        spec = NodeSpec.from_node_config(context.node_config, self.data_dir)
+        spec = self._spec(context)
         total = federation_size(config, spec.data_dir)
         entries = [m.RosterEntry(i, total, c.name, c.domain, c.origin, bool(c.meta.get("external")), c.num_train,
                                  len(c.test), -1 if c.val is None else len(c.val), _shape(c.train.x),
                                  str(c.train.x.dtype).removeprefix("torch."), _shape(c.train.y),
-                                 str(c.train.y.dtype).removeprefix("torch."))
+                                 str(c.train.y.dtype).removeprefix("torch."), bool(spec.state_dir))
                    for i, c in spec.clients(config).items()]
         return Message(RecordDict({m.ROSTER: m.roster_record(entries)}), reply_to=message)
 
     def train(self, message: Message, context: Context) -> Message:
         """One round of the method's client update for the client the message names."""
         cell = m.CellRequest.decode(message.content)
-        engine, initial, client = self._client(context, cell)
+        engine, initial, client, spec = self._client(context, cell)
         shared = m.from_arrays(message.content, m.GLOBAL)
         _check_global(shared, engine.shared_keys)
         instructions = m.decode_instructions(message.content)
         server_state = m.from_arrays(message.content, m.SERVER_STATE)
         input_state = m.from_arrays(message.content, m.INPUT_STATE)
         prefix = m.memory_prefix(cell.method, cell.seed, client.name)
-        memory = m.load_memory(context.state, prefix)
+        memory = self._load_memory(context, spec, prefix, instructions.round)
         reply, algorithm_message, result = engine.runner.run(client, instructions, {**initial, **shared},
                                                              server_state, memory, input_state=input_state)
         kept = type(memory)(memory.local_state if engine.local_keys else {},
                             memory.optimizer_state if engine.federation.persistent_optimizer else None,
                             memory.algorithm_state if engine.algorithm.stateful else {})
-        m.save_memory(context.state, prefix, kept)
+        if spec.state_dir:
+            if kept.local_state or kept.optimizer_state is not None or kept.algorithm_state:
+                config = load_experiment(cell.experiment)
+                NodeStateStore(spec.state_dir).save(prefix, instructions.round + 1, kept,
+                                                    config.federation.checkpoint_every)
+        else:
+            m.save_memory(context.state, prefix, kept)
         return Message(m.encode_reply(reply, algorithm_message, result), reply_to=message)
 
     def evaluate(self, message: Message, context: Context) -> Message:
@@ -296,7 +321,7 @@ class NodeClients:
         (``record_as`` a domain) the global model on the domain's first client's splits; for an external
         client the global model under each of the cell's external modes."""
         cell = m.CellRequest.decode(message.content)
-        engine, initial, client = self._client(context, cell)
+        engine, initial, client, spec = self._client(context, cell)
         shared = m.from_arrays(message.content, m.GLOBAL)
         _check_global(shared, engine.shared_keys)
         engine.global_state = {**initial, **shared}
@@ -308,7 +333,8 @@ class NodeClients:
         else:
             if cell.record_as == client.name:
                 target = client
-                memory = m.load_memory(context.state, m.memory_prefix(cell.method, cell.seed, client.name))
+                memory = self._load_memory(context, spec, m.memory_prefix(cell.method, cell.seed, client.name),
+                                           cell.round)
                 if memory.local_state:
                     engine.local_states = {client.name: memory.local_state}
             else:

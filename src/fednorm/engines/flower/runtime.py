@@ -24,7 +24,7 @@ import tomli_w
 
 from ...runs.config import ExperimentConfig
 from ...runs.runner import RunError
-from .node import NODE_DATA_DIR, experiment_text, federation_size
+from .node import NODE_DATA_DIR, NODE_STATE_DIR, experiment_text, federation_size
 from .server import FlowerOptions, ServerSettings
 
 FLWR_PIN = "flwr[simulation]==1.41.0"
@@ -34,29 +34,41 @@ APP_COMPONENTS = {"serverapp": "fednorm.engines.flower.app:server_app",
 
 # ------------------------------------------------------------------------------------------ simulation
 def simulate(config: ExperimentConfig, out: str | Path, data_dir: str | None = None, nodes: int | None = None,
-             options: FlowerOptions = FlowerOptions(), cpus_per_node: float = 1.0, progress=None) -> None:
-    """Run ``config`` on Flower's simulation runtime into the run folder ``out``.
+             options: FlowerOptions = FlowerOptions(), cpus_per_node: float = 1.0, progress=None,
+             resume: bool = False) -> None:
+    """Run ``config`` on Flower's simulation runtime into the run folder ``out`` (``resume``: continue the
+    stopped run there from its checkpoints).
 
     ``nodes`` virtual SuperNodes (default one per client; with fewer, node k holds clients k, k+nodes, ...)
-    run the ClientApp in Ray actors of ``cpus_per_node`` CPUs each."""
+    run the ClientApp in Ray actors of ``cpus_per_node`` CPUs each. The clients' state between rounds is kept
+    on disk under ``out/node_state`` (:mod:`.node_state`), so any method's run can resume."""
     from flwr.simulation import run_simulation
 
     from .app import make_client_app, make_server_app
 
     out = Path(out).resolve()
-    if (out / "config.yaml").exists():
-        raise RunError(f"{out} already holds a run; choose another --out")
+    _check_out(out, resume)
     count = nodes or federation_size(config, data_dir)
-    settings = ServerSettings(experiment_text(config), str(out), options)
+    settings = ServerSettings(experiment_text(config), str(out), options, resume=resume)
     backend = {"client_resources": {"num_cpus": cpus_per_node, "num_gpus": 0.0},
                "init_args": {"num_cpus": os.cpu_count() or 1, "include_dashboard": False}}
-    run_simulation(make_server_app(settings, progress), make_client_app(data_dir), num_supernodes=count,
-                   backend_config=backend)
+    run_simulation(make_server_app(settings, progress), make_client_app(data_dir, str(out / NODE_STATE_FOLDER)),
+                   num_supernodes=count, backend_config=backend)
+
+
+NODE_STATE_FOLDER = "node_state"
+
+
+def _check_out(out: Path, resume: bool) -> None:
+    if resume and not (out / "config.yaml").exists():
+        raise RunError(f"{out} holds no run to resume (no config.yaml)")
+    if not resume and (out / "config.yaml").exists():
+        raise RunError(f"{out} already holds a run; resume it with --resume or choose another --out")
 
 
 # ------------------------------------------------------------------------------------------ app folder
 def write_app(app_dir: str | Path, config: ExperimentConfig, out: str | Path,
-              options: FlowerOptions = FlowerOptions()) -> Path:
+              options: FlowerOptions = FlowerOptions(), resume: bool = False) -> Path:
     """Write a Flower app folder (a ``pyproject.toml``) that runs ``config`` with ``flwr run APP_DIR SUPERLINK``.
 
     ``out`` is the run folder on the machine of the SuperLink (where the ServerApp runs). The folder holds
@@ -84,6 +96,7 @@ def write_app(app_dir: str | Path, config: ExperimentConfig, out: str | Path,
                 "out": str(Path(out).expanduser().resolve()),
                 "round-timeout": float(options.round_timeout or 0.0),
                 "node-wait": float(options.node_wait),
+                "resume": bool(resume),
             },
         }}},
     }
@@ -252,15 +265,17 @@ class LocalDeployment:
 
 
 def run_local(config: ExperimentConfig, out: str | Path, workdir: str | Path, data_dir: str | None = None,
-              options: FlowerOptions = FlowerOptions(), timeout: float | None = None) -> Path:
-    """Run ``config`` on the deployment runtime on this machine: one SuperNode process per client."""
+              options: FlowerOptions = FlowerOptions(), timeout: float | None = None, resume: bool = False) -> Path:
+    """Run ``config`` on the deployment runtime on this machine: one SuperNode process per client, each keeping
+    its client's state under ``workdir/node_state`` (so a stopped run resumes: ``resume``)."""
     out = Path(out).resolve()
-    if (out / "config.yaml").exists():
-        raise RunError(f"{out} already holds a run; choose another --out")
+    _check_out(out, resume)
     workdir = Path(workdir)
     app = workdir / "app"
-    write_app(app, config, out, options)
-    nodes = [{"client-index": i, **({NODE_DATA_DIR: str(Path(data_dir).resolve())} if data_dir else {})}
+    write_app(app, config, out, options, resume=resume)
+    state = str((workdir / NODE_STATE_FOLDER).resolve())
+    nodes = [{"client-index": i, NODE_STATE_DIR: state,
+              **({NODE_DATA_DIR: str(Path(data_dir).resolve())} if data_dir else {})}
              for i in range(federation_size(config, data_dir))]
     with LocalDeployment(workdir, nodes) as deployment:
         proc = deployment.run_app(app)

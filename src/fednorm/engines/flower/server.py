@@ -37,7 +37,7 @@ from ...methods.local_update import LocalResult
 from ...methods.server import ClientReply
 from ...runs import store
 from ...runs.config import ExperimentConfig, MethodConfig
-from ...runs.runner import CellResult, RunError, build_engine, start_run
+from ...runs.runner import CellResult, RunError, build_engine, execute, load_run_config, start_run
 from ..simulation import Evaluation
 from . import messages as m
 from .node import check_flower_method, experiment_text
@@ -243,8 +243,7 @@ class FlowerEngine:
         self.label, self.seed = method_cfg.display, seed
         self.experiment = experiment_text(config)
         self.participation_path = None if cell_dir is None else Path(cell_dir) / PARTICIPATION_FILE
-        if self.participation_path is not None and self.participation_path.exists():
-            self.participation_path.unlink()  # a cell restarts from round 0 (or its checkpoint, rewritten below)
+        self._participation_checked = False  # rounds after the cell's checkpoint are dropped at the first write
 
     @property
     def round(self) -> int:
@@ -252,7 +251,8 @@ class FlowerEngine:
 
     # -------------------------------------------------------------- messages
     def _cell(self, client: str, record_as: str = "", splits: tuple[str, ...] = ()) -> m.CellRequest:
-        return m.CellRequest(self.experiment, self.label, self.seed, client, record_as or client, splits)
+        return m.CellRequest(self.experiment, self.label, self.seed, client, record_as or client, splits,
+                             round=self.core.round)
 
     def _global(self) -> ArrayRecord:
         return m.to_arrays({k: self.core.global_state[k] for k in self.core.shared_keys})
@@ -412,7 +412,12 @@ class FlowerEngine:
         return modes
 
     def _record(self, record: dict) -> None:
-        """One line of ``participation.jsonl`` (with the wall-clock time it was written)."""
+        """One line of ``participation.jsonl`` (with the wall-clock time it was written). The first write of a
+        cell drops what a stopped run recorded after the round the cell restarts from (0, or its checkpoint)."""
+        if self.participation_path is not None and not self._participation_checked:
+            self._participation_checked = True
+            if self.participation_path.exists():
+                store.truncate_metrics(self.participation_path, self.core.round - (record["kind"] == "train"))
         if self.participation_path is not None:
             store.append_metrics(self.participation_path, [{**record, "time": time.time()}])
 
@@ -423,11 +428,17 @@ class FlowerEngine:
         return {**self.core.state_dict(), "engine": "flower"}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume from the server's checkpoint. A method with client state needs it back from the nodes: every
+        training client's node must keep it on disk (node config ``state-dir``, :mod:`.node_state`)."""
         method = self.core.method
         if method.stateful_clients or self.core.federation.persistent_optimizer:
-            raise RunError(
-                f"method {self.label!r} keeps state on each client, which ended with the Flower run that held it; "
-                "a Flower cell of such a method cannot resume from a checkpoint: delete the cell folder to rerun it")
+            volatile = sorted(e.name for e in self.roster.entries.values() if not e.external and not e.persistent)
+            if volatile:
+                raise RunError(
+                    f"method {self.label!r} keeps state on each client, and the nodes holding {volatile[:5]} keep it "
+                    "in Flower's run context only, which ended with the stopped run: start every SuperNode with "
+                    "--node-config \"state-dir='DIR'\" (a folder on its machine) to make such runs resumable, "
+                    "or delete the cell folder to rerun the cell")
         self.core.load_state_dict(state)
 
 
@@ -439,6 +450,7 @@ class ServerSettings:
     experiment: str  # resolved config, YAML
     out: str  # the run folder, on the machine that runs the ServerApp (the SuperLink's)
     options: FlowerOptions = field(default_factory=FlowerOptions)
+    resume: bool = False  # continue the stopped run in ``out`` from its checkpoints (same experiment)
 
     @classmethod
     def from_run_config(cls, run_config) -> "ServerSettings":
@@ -449,7 +461,8 @@ class ServerSettings:
             raise RunError(f"the Flower run config lacks {missing}; write the app folder with `fednorm flower app`")
         timeout = float(cfg.get("round-timeout", 600.0))
         return cls(str(cfg["experiment"]), str(cfg["out"]), FlowerOptions(
-            round_timeout=timeout if timeout > 0 else None, node_wait=float(cfg.get("node-wait", 300.0))))
+            round_timeout=timeout if timeout > 0 else None, node_wait=float(cfg.get("node-wait", 300.0))),
+            resume=bool(cfg.get("resume", False)))
 
 
 def run_experiment(grid, settings: ServerSettings, progress=None) -> list[CellResult]:
@@ -465,8 +478,13 @@ def run_experiment(grid, settings: ServerSettings, progress=None) -> list[CellRe
                        "one process, which a Flower server does not hold: run them with the in-process engine "
                        "(`fednorm run`); diagnostics.drift works on Flower")
     run_dir = Path(settings.out)
-    if (run_dir / store.CONFIG_FILE).exists():
-        raise RunError(f"{run_dir} already holds a run; choose another output folder")
+    if settings.resume:
+        saved = load_run_config(run_dir)  # a clear error when there is no run to resume
+        if saved.model_dump(mode="json") != config.model_dump(mode="json"):
+            raise RunError(f"{run_dir} holds a run of another experiment than the one to resume; resume it with the "
+                           "config it was started with (`fednorm flower ... --resume` reads it from the run folder)")
+    elif (run_dir / store.CONFIG_FILE).exists():
+        raise RunError(f"{run_dir} already holds a run; resume it (--resume) or choose another output folder")
     log(INFO, "fednorm: %s: waiting for SuperNodes holding every client", config.name)
     roster = Roster(grid, config, settings.options)
     clients = roster.wait_for_all()
@@ -475,7 +493,11 @@ def run_experiment(grid, settings: ServerSettings, progress=None) -> list[CellRe
         return FlowerEngine(grid, roster, cfg, method_cfg, seed, cell_clients, settings.options,
                             store.cell_dir(run_dir, method_cfg.display, seed))
 
-    results = start_run(config, run_dir, progress=progress, clients=clients, build=build)
+    if settings.resume:
+        log(INFO, "fednorm: resuming %s from its checkpoints", run_dir)
+        results = execute(run_dir, config, None, progress, clients=clients, build=build)
+    else:
+        results = start_run(config, run_dir, progress=progress, clients=clients, build=build)
     store.write_json(run_dir / "flower.json", {
         "engine": "flower", "flwr": _flwr_version(), "nodes": sorted(roster.known), "lost_nodes": sorted(roster.lost),
         "clients": {c.name: roster.node_of.get(c.name) for c in clients},

@@ -1,0 +1,86 @@
+"""A stopped Flower run resumes from its last checkpoint with the in-process engine's numbers, also for a
+method whose clients keep state (FedBN's BN layers, SCAFFOLD's control variates), when the nodes keep that
+state on disk (node config ``state-dir``); without it, the resume of such a method is refused clearly."""
+
+import pytest
+import torch
+
+from fednorm.engines.client_step import ClientMemory
+from fednorm.engines.flower.app import make_client_app
+from fednorm.engines.flower.node import experiment_text
+from fednorm.engines.flower.node_state import NodeStateStore
+from fednorm.engines.flower.server import PARTICIPATION_FILE, FlowerOptions, ServerSettings, run_experiment
+from fednorm.runs import store
+from fednorm.runs.runner import RunError, start_run
+
+from .conftest import tiny_config
+from .fakegrid import FakeGrid
+
+
+class Stop(Exception):
+    pass
+
+
+def stop_at(round_to_stop):
+    def progress(label, seed, rnd, rounds, last):
+        if rnd == round_to_stop:
+            raise Stop()
+    return progress
+
+
+def memory(value: float) -> ClientMemory:
+    return ClientMemory({"bn.weight": torch.full((2,), value)}, None, {})
+
+
+def test_node_state_store_reads_the_newest_snapshot_at_or_before_a_round(tmp_path):
+    nodes = NodeStateStore(tmp_path)
+    assert nodes.load("m/seed0/c", 5).local_state == {}  # never trained: empty memory
+    for r in (1, 2, 3):
+        nodes.save("m/seed0/c", r, memory(r), checkpoint_every=2)
+    assert nodes.load("m/seed0/c", 2).local_state["bn.weight"].tolist() == [2.0, 2.0]
+    assert nodes.load("m/seed0/c", 10).local_state["bn.weight"].tolist() == [3.0, 3.0]
+    # after round 3 the server's last checkpoint is at least round 2: older snapshots are not needed
+    assert nodes.rounds("m/seed0/c") == [2, 3]
+    nodes.save("m/seed0/c", 3, memory(33), checkpoint_every=2)  # the run resumed from round 2 redoes round 3
+    assert nodes.rounds("m/seed0/c") == [2, 3]
+    assert nodes.load("m/seed0/c", 4).local_state["bn.weight"].tolist() == [33.0, 33.0]
+    nodes.save("m/seed0/c", 4, memory(4), checkpoint_every=2)
+    nodes.save("m/seed0/c", 6, memory(6), checkpoint_every=2)  # not sampled in round 5
+    assert nodes.rounds("m/seed0/c") == [4, 6]
+    nodes.save("m/seed0/c", 5, memory(5), checkpoint_every=2)  # resumed from round 4, sampled in round 5 this time:
+    assert nodes.rounds("m/seed0/c") == [4, 5]                 # its old round 6 belongs to a future that is redone
+
+
+def run_flower(config, out, state_dir, progress=None, resume=False):
+    grid = FakeGrid(make_client_app(state_dir=state_dir), [{"client-index": 0}, {"client-index": 1}])
+    run_experiment(grid, ServerSettings(experiment_text(config), str(out), FlowerOptions(node_wait=5), resume=resume),
+                   progress)
+
+
+@pytest.mark.parametrize("method", ["fedbn", "scaffold"])
+def test_a_stopped_flower_run_with_client_state_resumes_to_the_in_process_numbers(tmp_path, method):
+    config = tiny_config(f"methods=[{method}]", "federation.rounds=4", "federation.eval_every=1",
+                         "federation.checkpoint_every=2")
+    start_run(config, tmp_path / "in_process")
+    state = str(tmp_path / "node_state")
+    with pytest.raises(Stop):  # stopped after round 3: the checkpoint holds round 2, the nodes have round 3
+        run_flower(config, tmp_path / "flower", state, stop_at(3))
+    run_flower(config, tmp_path / "flower", state, resume=True)  # new contexts: a new `flwr run`
+    cell = f"{method}/seed0/{store.METRICS_FILE}"
+    assert store.read_metrics(tmp_path / "flower" / cell) == store.read_metrics(tmp_path / "in_process" / cell)
+    rounds = [r["round"] for r in store.read_metrics(tmp_path / "flower" / method / "seed0" / PARTICIPATION_FILE)
+              if r["kind"] == "train"]
+    assert rounds == [1, 2, 3, 4]
+
+
+def test_resume_without_node_state_is_refused_for_a_method_with_client_state(tmp_path):
+    config = tiny_config("federation.rounds=4", "federation.checkpoint_every=2")
+    with pytest.raises(Stop):
+        run_flower(config, tmp_path / "flower", None, stop_at(3))
+    with pytest.raises(RunError, match="state-dir"):
+        run_flower(config, tmp_path / "flower", None, resume=True)
+    with pytest.raises(RunError, match="--resume"):
+        run_flower(config, tmp_path / "flower", None)
+    other = tiny_config("federation.rounds=5", "federation.checkpoint_every=2")
+    with pytest.raises(RunError, match="another experiment"):
+        run_flower(other, tmp_path / "flower", None, resume=True)
