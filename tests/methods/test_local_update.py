@@ -107,3 +107,33 @@ def test_fedbn_code_prox_schedule_skips_the_term_on_each_epoch_first_step():
     assert not torch.allclose(trained(False, 2, 16), plain(2, 16))
     # two batches per epoch: the second step of each epoch carries the term
     assert not torch.allclose(trained(True, 2, 8), plain(2, 8))
+
+
+def test_adam_client_steps_as_torch_adam_and_keeps_its_moments_across_rounds():
+    """HarmoFL's segmentation optimizer: Adam (lr 1e-4, betas (0.9, 0.99), weight decay 1e-4), persistent."""
+    data = make_split(8, seed=1)
+    cfg = LocalTraining(batch_size=8, steps=2, lr=1e-3, optimizer="adam", betas=(0.9, 0.99), weight_decay=1e-4)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 28 * 28, 10))
+    check = nn.Sequential(nn.Flatten(), nn.Linear(3 * 28 * 28, 10))
+    check.load_state_dict(model.state_dict())
+    _, state = train_locally(model, data, cfg, generator=torch.Generator(), prepare=normalize_batch)
+    train_locally(model, data, cfg, generator=torch.Generator(), prepare=normalize_batch, optimizer_state=state)
+    reference = torch.optim.Adam(check.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=1e-4)
+    for _ in range(4):  # two rounds of two full-batch steps, one optimizer: the moments carry over
+        reference.zero_grad()
+        F.cross_entropy(check(normalize_batch(data.x)), data.y).backward()
+        reference.step()
+    for a, b in zip(model.parameters(), check.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert state["param_groups"][0]["betas"] == (0.9, 0.99)
+
+
+def test_adam_refuses_sgd_momentum():
+    with pytest.raises(ValueError, match="betas"):
+        LocalTraining(optimizer="adam", momentum=0.9)
+    from fednorm.runs.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="momentum: 0"):
+        load_config("default", ["training.optimizer=adam", "training.momentum=0.9"])
+    prostate = load_config("harmofl_prostate").training.build()
+    assert (prostate.optimizer, prostate.lr, prostate.betas, prostate.momentum) == ("adam", 1e-4, (0.9, 0.99), 0.0)

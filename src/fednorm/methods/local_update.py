@@ -34,6 +34,7 @@ from .tasks import CLASSIFICATION, Task
 
 PRECISIONS = ("fp32", "bf16")
 MOMENTUM_STYLES = ("pytorch", "ema")
+OPTIMIZERS = ("sgd", "adam")
 
 
 def native_bf16() -> bool:
@@ -77,8 +78,16 @@ class LocalTraining:
     task: Task = CLASSIFICATION
     # HarmoFL's client drift (Eq. 9): record Gamma_i = 1/K sum_k ||theta_k - theta_0||^2 over the round's K steps
     track_drift: bool = False
+    # the client's optimizer: SGD (momentum, weight decay), or Adam (betas, L2 weight decay added to the gradient
+    # as torch.optim.Adam; HarmoFL's segmentation code: Adam lr 1e-4, betas (0.9, 0.99), weight decay 1e-4)
+    optimizer: str = "sgd"
+    betas: tuple[float, float] = (0.9, 0.999)
 
     def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.optimizer == "adam" and (self.momentum or self.momentum_style != "pytorch"):
+            raise ValueError("momentum and momentum_style are SGD's; Adam's momentum is betas[0] (set momentum: 0)")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.momentum_style not in MOMENTUM_STYLES:
@@ -198,14 +207,17 @@ def train_locally(
                 module.eval()
     clipped = agc_parameters(model, agc_exclude_head) if agc_clip > 0 else []
     params = dict(model.named_parameters())
-    dampening = cfg.momentum if cfg.momentum_style == "ema" else 0.0
-    optimizer = torch.optim.SGD(
-        params.values(), lr=cfg.lr, momentum=cfg.momentum, dampening=dampening, weight_decay=cfg.weight_decay
-    )
+    if cfg.optimizer == "adam":
+        hyper = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        optimizer = torch.optim.Adam(params.values(), **hyper)
+    else:
+        dampening = cfg.momentum if cfg.momentum_style == "ema" else 0.0
+        hyper = dict(lr=cfg.lr, momentum=cfg.momentum, dampening=dampening, weight_decay=cfg.weight_decay)
+        optimizer = torch.optim.SGD(params.values(), **hyper)
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)
         for group in optimizer.param_groups:  # the saved state carries the old lr; this round's schedule wins
-            group.update(lr=cfg.lr, momentum=cfg.momentum, dampening=dampening, weight_decay=cfg.weight_decay)
+            group.update(**hyper)
     prox = []
     if prox_mu > 0 and prox_reference:
         prox = [(params[name], ref) for name, ref in prox_reference.items() if name in params]

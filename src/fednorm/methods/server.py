@@ -130,7 +130,9 @@ class LocalSchedule:
 def fednova_norm(num_steps: int, schedule: LocalSchedule) -> float:
     """||a_k||_1 of FedNova (Wang et al. 2020, Sec. 4 and App.): tau for plain SGD;
     (tau - rho (1 - rho^tau)/(1 - rho)) / (1 - rho) with momentum rho; (1 - (1 - lr mu)^tau)/(lr mu) with
-    FedProx's mu. With both, the momentum form is used (the paper gives no joint formula)."""
+    FedProx's mu. With both, the momentum form is used (the paper gives no joint formula). An Adam client
+    (momentum 0 in the schedule) is normalized by tau, the plain-SGD form: FedNova defines a_k for SGD-type
+    solvers only; this is our choice for HarmoFL's Adam presets."""
     tau, rho = num_steps, schedule.momentum
     if tau <= 0:
         raise UpdateError("FedNova needs the number of local steps of every client (got 0)")

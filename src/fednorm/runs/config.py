@@ -217,6 +217,9 @@ class TrainingConfig(_Strict):
     momentum_style: Literal["pytorch", "ema"] = Field(
         "pytorch", description="ema: buf = mu buf + (1 - mu) g (the Byzantine-ML / FBN client momentum)")
     lr_decay_every: int | None = Field(None, ge=1, description="lr / (1 + floor(round / lr_decay_every)) (FBN)")
+    optimizer: Literal["sgd", "adam"] = Field("sgd", description="the clients' optimizer: sgd (momentum, "
+                                              "weight_decay) or adam (betas, weight_decay; set momentum 0)")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam's betas (HarmoFL segmentation: 0.9, 0.99)")
     precision: Literal["fp32", "bf16", "auto"] = Field(
         "fp32", description="auto: bf16 autocast where the CPU has native bf16 (AMX / AVX512-BF16), else fp32")
     loss: Literal[("auto",) + LOSSES] = Field(  # type: ignore[valid-type]
@@ -225,6 +228,13 @@ class TrainingConfig(_Strict):
     dice_background: Literal[DICE_BACKGROUND] = Field(  # type: ignore[valid-type]
         "exclude", description="segmentation Dice score: exclude (foreground Dice, default), include (mean with the "
         "background), code (HarmoFL code's dice_coef exactly)")
+
+    @model_validator(mode="after")
+    def _adam_has_no_sgd_momentum(self) -> "TrainingConfig":
+        if self.optimizer == "adam" and (self.momentum or self.momentum_style != "pytorch"):
+            raise ValueError("training.momentum and momentum_style are SGD's; with optimizer adam the momentum is "
+                             "betas[0]: set momentum: 0")
+        return self
 
     def build(self, task: Task | None = None) -> LocalTraining:
         """The local training, with ``task`` (:meth:`ExperimentConfig.task`, which knows the domains); without
@@ -235,6 +245,7 @@ class TrainingConfig(_Strict):
             task = build_task("segmentation" if loss in ("dice", "ce_dice") else "classification", loss, background)
         values["task"] = task
         values["precision"] = resolve_precision(self.precision)
+        values["betas"] = tuple(values["betas"])
         if values["precision"] == "bf16" and not native_bf16():
             warnings.warn(
                 "training.precision is bf16 but this machine has no native bf16 (no AMX / AVX512-BF16): "
