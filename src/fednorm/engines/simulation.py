@@ -137,6 +137,9 @@ class InProcessEngine:
         self.runner = ClientRunner(self.model, method, training, self.local_keys, self.shared_keys, prepare,
                                    federation.persistent_optimizer, self.algorithm, layout=self._layout)
         self.input_state: dict[str, torch.Tensor] = {}  # HarmoFL's global amplitude once averaged
+        # fedbn_average's BN affine parameters given from outside (a Flower node gets the server's average);
+        # None: the internal clients' local states here
+        self.external_affine: list[dict[str, torch.Tensor]] | None = None
         self.algorithm_server_state = self.algorithm.init_server_state(self.model, self.shared_params)
         self.algorithm_states: dict[str, dict[str, torch.Tensor]] = {}
         self.local_states: dict[str, dict[str, torch.Tensor]] = {}
@@ -331,7 +334,8 @@ class InProcessEngine:
         has_bn = has_batchnorm(self.model)
         # the internal clients' BN affine parameters for fedbn_average: their local states where BN is local,
         # else the global model's (already the average)
-        states = [self.local_states[c.name] for c in self.clients if c.name in self.local_states] or [self.global_state]
+        states = self.external_affine or [
+            self.local_states[c.name] for c in self.clients if c.name in self.local_states] or [self.global_state]
         out: list[Evaluation] = []
         for client in self.external_clients:
             for mode in self.external_modes:

@@ -240,6 +240,15 @@ def evaluate_test_time_bn(model: nn.Module, data: Split, prepare: Callable[[Tens
     return _result(correct, loss_sum, len(data))
 
 
+def bn_affine_keys(model: nn.Module) -> list[str]:
+    """The state_dict keys of every BN layer's ``weight`` and ``bias`` (what fedbn_average averages)."""
+    keys = []
+    for prefix, layer in bn_layers(model).items():
+        dot = f"{prefix}." if prefix else ""
+        keys += [dot + name for name in ("weight", "bias") if getattr(layer, name, None) is not None]
+    return keys
+
+
 def average_bn_affine(model: nn.Module, client_states: list[dict[str, Tensor]],
                       weights: list[float] | None = None) -> dict[str, Tensor]:
     """The mean of the internal clients' BN ``weight`` and ``bias`` (FedBN App. G: "the averaged trainable BN
@@ -254,12 +263,7 @@ def average_bn_affine(model: nn.Module, client_states: list[dict[str, Tensor]],
             raise ValueError(f"weights must be {len(client_states)} non-negative numbers with a positive sum, "
                              f"got {weights}")
         w = [x / sum(weights) for x in weights]
-    keys = []
-    for prefix, layer in bn_layers(model).items():
-        if layer.weight is None and layer.bias is None:
-            continue
-        dot = f"{prefix}." if prefix else ""
-        keys += [dot + name for name in ("weight", "bias") if getattr(layer, name) is not None]
+    keys = bn_affine_keys(model)
     if not keys:
         raise ValueError("fedbn_average averages BN affine parameters, but the model's BN layers have none "
                          "(affine=False)")

@@ -33,8 +33,8 @@ def make_client_app(data_dir: str | None = None, state_dir: str | None = None) -
     node = NodeClients(data_dir, state_dir)
 
     @app.query()
-    def roster(message: Message, context: Context) -> Message:
-        return node.roster(message, context)
+    def query(message: Message, context: Context) -> Message:
+        return node.query(message, context)
 
     @app.train()
     def train(message: Message, context: Context) -> Message:

@@ -42,6 +42,7 @@ ALGORITHM_MESSAGE = "message"
 METRICS = "metrics"
 BN_COUNTS = "bn_counts"
 ROSTER = "roster"
+BN_AFFINE = "bn_affine"  # a client's BN weight and bias (FedBN App. G's average for external clients)
 EVAL_PREFIX = "eval."
 
 

@@ -278,6 +278,23 @@ class NodeClients:
             return NodeStateStore(spec.state_dir).load(prefix, at_round)
         return m.load_memory(context.state, prefix)
 
+    def query(self, message: Message, context: Context) -> Message:
+        """A query message: the roster (no method named), or a client's BN affine parameters."""
+        cell = m.CellRequest.decode(message.content)
+        return self.bn_affine(message, context) if cell.method else self.roster(message, context)
+
+    def bn_affine(self, message: Message, context: Context) -> Message:
+        """The client's BN weight and bias as of the message's round (empty before it has trained): the server
+        averages them for the external clients' fedbn_average mode (FedBN App. G). Its BN statistics, and
+        everything else it keeps, stay on the node."""
+        from ...methods.external import bn_affine_keys
+
+        cell = m.CellRequest.decode(message.content)
+        engine, _, client, spec = self._client(context, cell)
+        memory = self._load_memory(context, spec, m.memory_prefix(cell.method, cell.seed, client.name), cell.round)
+        affine = {k: memory.local_state[k] for k in bn_affine_keys(engine.model) if k in memory.local_state}
+        return Message(RecordDict({m.CELL: cell.record(), m.BN_AFFINE: m.to_arrays(affine)}), reply_to=message)
+
     def roster(self, message: Message, context: Context) -> Message:
         """Answer the server's roster query: the node's clients, split sizes and sample shapes (never data)."""
         cell = m.CellRequest.decode(message.content)
@@ -326,9 +343,11 @@ class NodeClients:
         _check_global(shared, engine.shared_keys)
         engine.global_state = {**initial, **shared}
         engine.input_state = m.from_arrays(message.content, m.INPUT_STATE)
-        engine.local_states, engine.external_clients = {}, []
+        engine.local_states, engine.external_clients, engine.external_affine = {}, [], None
         if cell.external_modes:
             engine.external_clients, engine.external_modes = [client], cell.external_modes
+            if m.BN_AFFINE in message.content.array_records:  # the server's average of the clients' BN affine
+                engine.external_affine = [m.from_arrays(message.content, m.BN_AFFINE)]
             evals = engine.evaluate_external()
         else:
             if cell.record_as == client.name:

@@ -371,11 +371,18 @@ class FlowerEngine:
             plan.append((target.name, source, RecordDict({
                 m.CELL: self._cell(source, target.name, tuple(splits)).record(), m.GLOBAL: shared,
                 m.INPUT_STATE: input_state})))
-        modes = self._external_modes() if "test" in splits and self.core.external_clients else ()
+        modes = self.core.external_modes if "test" in splits and self.core.external_clients else ()
+        average = None
+        if "fedbn_average" in modes and self.core.local_keys:
+            average = self._average_bn_affine()
+            if average is None:
+                modes = tuple(x for x in modes if x != "fedbn_average")
         for client in self.core.external_clients if modes else []:
             cell = replace(self._cell(client.name), external_modes=modes)
-            plan.append((client.name, client.name, RecordDict({
-                m.CELL: cell.record(), m.GLOBAL: shared, m.INPUT_STATE: input_state})))
+            content = RecordDict({m.CELL: cell.record(), m.GLOBAL: shared, m.INPUT_STATE: input_state})
+            if average is not None:
+                content[m.BN_AFFINE] = m.to_arrays(average)
+            plan.append((client.name, client.name, content))
         replies, dropped = self._send(MessageType.EVALUATE, plan, group=f"evaluate-{self.core.round}")
         out: list[Evaluation] = []
         for name, _, _ in plan:
@@ -399,17 +406,40 @@ class FlowerEngine:
         return (splits.index(e.split) if e.split in splits else len(splits),
                 modes.index(mode) if mode in modes else -1)
 
-    def _external_modes(self) -> tuple[str, ...]:
-        """The external evaluation modes that need nothing but the global model: ``fedbn_average`` averages the
-        clients' local BN parameters, which never leave their nodes on Flower."""
-        modes = self.core.external_modes
-        if self.core.local_keys and "fedbn_average" in modes:
-            if not getattr(self, "_noted_average", False):
-                log(WARNING, "fednorm: external mode fedbn_average needs the clients' local BN parameters, which stay "
-                    "on their nodes on Flower; it is left out (global and test_time_bn are evaluated)")
-                self._noted_average = True
-            modes = tuple(x for x in modes if x != "fedbn_average")
-        return modes
+    def _average_bn_affine(self) -> dict[str, torch.Tensor] | None:
+        """FedBN App. G's average of the internal clients' BN weight and bias, for the external clients'
+        fedbn_average mode under a method whose BN state is local: each node sends its clients' BN affine
+        parameters (never their statistics) for this. Uniform over the clients that have trained, as the
+        in-process engine; None (the mode is skipped, logged) when no client answered with them."""
+        from ...methods.external import average_bn_affine, bn_affine_keys
+
+        core = self.core
+        plan = [(c.name, c.name, RecordDict({m.CELL: self._cell(c.name).record()})) for c in core.clients]
+        replies, dropped = self._send(MessageType.QUERY, plan, group=f"bn-affine-{core.round}")
+        model_state = core.model.state_dict()
+        keys = set(bn_affine_keys(core.model))
+        states = []
+        for client in core.clients:
+            if client.name not in replies:
+                continue
+            try:
+                state = m.from_arrays(replies[client.name].content, m.BN_AFFINE, f"client {client.name!r}")
+                bad = [k for k, v in state.items() if k not in keys or v.shape != model_state[k].shape
+                       or not torch.isfinite(v).all()]
+                if bad or (state and set(state) != keys):
+                    raise UpdateError(f"client {client.name!r} sent invalid BN parameters {sorted(bad or state)[:3]}")
+            except UpdateError as exc:
+                dropped[client.name] = str(exc)
+                continue
+            if state:
+                states.append(state)
+        for client, reason in dropped.items():
+            log(WARNING, "fednorm: fedbn_average after round %s: client %r left out: %s", core.round, client, reason)
+        if not states:
+            log(WARNING, "fednorm: no client sent its BN parameters after round %s; external mode fedbn_average "
+                "is skipped this evaluation", core.round)
+            return None
+        return average_bn_affine(core.model, states)
 
     def _record(self, record: dict) -> None:
         """One line of ``participation.jsonl`` (with the wall-clock time it was written). The first write of a
