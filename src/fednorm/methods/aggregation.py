@@ -32,6 +32,22 @@ class UpdateError(RuntimeError):
     """A client's update cannot be aggregated (wrong keys, shapes or non-finite values)."""
 
 
+def all_finite(value: torch.Tensor) -> bool:
+    """True when no element is NaN or +-inf. Fast path: the sum (one read pass, no temporary) is finite
+    whenever every element is, unless it overflows; only then is the element-wise check run."""
+    if math.isfinite(float(value.sum())):
+        return True
+    return bool(torch.isfinite(value).all())
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the weighted mean of ``dtype`` values is summed in: the values' own for float32 and float64
+    (float32 sums of K weighted clients round at about K * 6e-8 relative, far below SGD noise, and run 15x
+    faster than mixed float32 -> float64 in-place adds on this CPU: benchmarks/performance.md); float32 for
+    half and bfloat16."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
 class WeightedMean:
     """Streaming weighted mean of state dicts.
 
@@ -59,13 +75,15 @@ class WeightedMean:
                     f"client {client!r} sent {key!r} with shape {tuple(value.shape)}, expected {shape}"
                 )
             if value.is_floating_point():
-                if not torch.isfinite(value).all():
+                if not all_finite(value):
                     raise UpdateError(
                         f"client {client!r} sent non-finite values in {key!r} (NaN or inf): its local training "
                         "diverged; lower the learning rate or check its data"
                     )
-                contrib = value.detach().to(torch.float64) * weight
-                self._sum[key] = contrib if key not in self._sum else self._sum[key].add_(contrib)
+                acc = self._sum.get(key)
+                if acc is None:
+                    acc = self._sum[key] = torch.zeros(shape, dtype=accumulator_dtype(value.dtype))
+                acc.add_(value.detach(), alpha=weight)  # in place, no temporary copy
             else:
                 cur = self._sum.get(key)
                 self._sum[key] = value.detach().clone() if cur is None else torch.maximum(cur, value)

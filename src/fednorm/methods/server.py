@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .aggregation import UpdateError, WeightedMean
+from .aggregation import UpdateError, WeightedMean, all_finite
 from .fbn_stats import aggregate_fbn, aggregate_fbn_weighted
 from .robust import (ATTACKS, a_little_is_enough, attack_statistics, fall_of_empires, robust_aggregator,
                      sign_flip)
@@ -218,7 +218,7 @@ class ServerUpdate:
                 raise UpdateError(f"{who} sent {k!r} with shape {tuple(v.shape)}, expected {tuple(ref.shape)}")
             if v.dtype != ref.dtype:
                 raise UpdateError(f"{who} sent {k!r} as {v.dtype}, expected {ref.dtype}")
-            if v.is_floating_point() and not torch.isfinite(v).all():
+            if v.is_floating_point() and not all_finite(v):
                 raise UpdateError(f"{who} sent non-finite values in {k!r} (NaN or inf): its local training "
                                   "diverged; lower the learning rate or check its data")
         for prefix in self.fbn_layers:
@@ -259,7 +259,7 @@ class ServerUpdate:
                               "it did not train in FBN mode (a client must train at least one step)")
         mean, var = reply.state[f"{prefix}.running_mean"], reply.state[f"{prefix}.running_var"]
         for name, t in (("running_mean", mean), ("running_var", var)):
-            if not torch.isfinite(t).all():
+            if not all_finite(t):
                 raise UpdateError(f"client {reply.client!r} sent non-finite values in {prefix}.{name}")
         # copies: the reply may hold the live buffers of the working model, which the next client overwrites
         return mean.to(torch.float64, copy=True), var.to(torch.float64, copy=True), int(count)
@@ -305,7 +305,7 @@ class ServerUpdate:
             if v.shape != ref.shape:
                 raise UpdateError(f"client {reply.client!r} sent {k!r} with shape {tuple(v.shape)}, expected "
                                   f"{tuple(ref.shape)}")
-            if v.is_floating_point() and not torch.isfinite(v).all():
+            if v.is_floating_point() and not all_finite(v):
                 raise UpdateError(f"client {reply.client!r} sent non-finite values in {k!r} (NaN or inf): its local "
                                   "training diverged; lower the learning rate or check its data")
 
