@@ -1,0 +1,68 @@
+"""HarmoFL's ablation with its drift diagnostics, from a run folder made with the ``diagnostics`` section on
+(preset harmofl_digits / harmofl_pacs with --set diagnostics.drift=true ...): per method the mean final test
+accuracy, the mean client drift Gamma (HarmoFL Eq. 9) over the first and the last evaluation interval, the
+gradient dissimilarity B^2 and mean pairwise ||g_i - g_j|| at the last evaluation, and the landscape's
+flatness (mean rise of the loss over the slice, and how far each client's minimum lies from the global model).
+
+    python benchmarks/harmofl_table.py benchmarks/results/harmofl/harmofl_digits-short
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from fednorm.diagnostics.landscape import RESULT_FILE, sharpness
+from fednorm.runs import store
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", type=Path)
+    args = parser.parse_args()
+    print("| method | seeds | test acc (%) | drift Γ, first interval | drift Γ, last interval | B² (last eval) | "
+          "pairwise ‖g_i−g_j‖ (last eval) | landscape: mean rise | landscape: minimum offset |")
+    print("|---" * 9 + "|")
+    for method_dir in sorted(p for p in args.run_dir.iterdir() if p.is_dir()):
+        cells = sorted(method_dir.glob("seed*"))
+        stats: dict[str, list[float]] = {}
+        for cell in cells:
+            summary_path = cell / store.SUMMARY_FILE
+            if not summary_path.exists():
+                continue
+            summary = json.loads(summary_path.read_text())
+            records = store.read_metrics(cell / store.METRICS_FILE)
+            stats.setdefault("acc", []).append(summary["mean_final_test_acc"] * 100)
+            evals = sorted({r["round"] for r in records if r["split"] == "test"})
+            drift = [(r["round"], r["drift"]) for r in records if r["split"] == "train" and "drift" in r]
+            if drift and evals:
+                first = [d for rnd, d in drift if rnd <= evals[0]]
+                last = [d for rnd, d in drift if len(evals) > 1 and rnd > evals[-2]]
+                stats.setdefault("drift_first", []).append(float(np.mean(first)))
+                if last:
+                    stats.setdefault("drift_last", []).append(float(np.mean(last)))
+            diag = [r for r in records if r["split"] == "diagnostics"]
+            if diag:
+                stats.setdefault("b2", []).append(diag[-1]["dissimilarity"])
+                stats.setdefault("pairwise", []).append(diag[-1]["pairwise"])
+            land = cell / RESULT_FILE
+            if land.exists():
+                sharp = sharpness(json.loads(land.read_text()))
+                stats.setdefault("rise", []).append(float(np.mean([s["mean_rise"] for s in sharp.values()])))
+                stats.setdefault("offset", []).append(float(np.mean([s["minimum_offset"] for s in sharp.values()])))
+        if not stats:
+            continue
+
+        def cell_text(name: str, fmt: str = "{:.4g}") -> str:
+            return fmt.format(np.mean(stats[name])) if name in stats else ""
+
+        print(f"| {method_dir.name} | {len(stats['acc'])} | {cell_text('acc', '{:.2f}')} | {cell_text('drift_first')} | "
+              f"{cell_text('drift_last')} | {cell_text('b2', '{:.3f}')} | {cell_text('pairwise')} | "
+              f"{cell_text('rise')} | {cell_text('offset', '{:.2f}')} |")
+
+
+if __name__ == "__main__":
+    main()
