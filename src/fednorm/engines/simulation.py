@@ -358,13 +358,15 @@ class InProcessEngine:
     # ---------------------------------------------------------------- diagnostics
     def gradient_dissimilarity(self, samples: int = 256) -> Dissimilarity:
         """Gradient dissimilarity of the training clients at the current global model
-        (:mod:`fednorm.diagnostics.gradients`); leaves the run's state untouched."""
+        (:mod:`fednorm.diagnostics.gradients`); leaves the run's state untouched. With client sampling
+        (cross-device), among the participants of the round just completed."""
         prepare = self.runner.evaluation_prepare(self.input_state)
-        weights = client_weights([c.num_train for c in self.clients], self.federation.weighting)
+        clients = self.clients if self.federation.fraction >= 1 else self.sample_clients(max(self.round - 1, 0))
+        weights = client_weights([c.num_train for c in clients], self.federation.weighting)
         torch.manual_seed(derive_seed(self.federation.seed, self.round, _DIAGNOSTIC_STREAM))  # dropout
         batch = max(self.training.batch_size, 2)  # BN batch statistics need two samples; the mean loss is the same
         gradients = []
-        for client in self.clients:
+        for client in clients:
             self.load_client(client.name)
             gradients.append(full_gradient(self.model, client.train, self.training.task, prepare, self.shared_params,
                                            samples, batch))
