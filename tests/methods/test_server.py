@@ -162,6 +162,29 @@ def test_sign_flip_on_statistics_flips_the_mean_only_and_median_resists():
     assert (fbn_median["bn.running_var"] < 1.5 * fbn_clean["bn.running_var"]).all()
 
 
+def test_robust_scope_statistics_takes_the_median_of_the_statistics_and_the_mean_of_the_parameters():
+    means = [torch.tensor([1.0, 2.0], dtype=D) + 0.1 * i for i in range(10)]
+    vars_ = [torch.tensor([1.0, 3.0], dtype=D)] * 10
+    threat = Threat("sign_flip", ("c7", "c8", "c9"))
+    state = {"bn.running_mean": torch.zeros(2, dtype=D), "bn.running_var": torch.ones(2, dtype=D),
+             "bn.weight": torch.ones(2, dtype=D)}
+    weights = [torch.tensor([1.0 + i, -float(i)], dtype=D) for i in range(10)]
+    out = {}
+    for scope in ("all", "statistics"):
+        server = ServerUpdate(ServerSpec("median", robust_f=3, robust_scope=scope), state, param_keys={"bn.weight"},
+                              threat=threat)
+        server.begin(state)
+        for i in range(10):
+            server.add(ClientReply(f"c{i}", {"bn.running_mean": means[i], "bn.running_var": vars_[i],
+                                             "bn.weight": weights[i]}, 0.1, 1))
+        out[scope] = server.finish()
+    torch.testing.assert_close(out["statistics"]["bn.running_mean"], out["all"]["bn.running_mean"])
+    torch.testing.assert_close(out["statistics"]["bn.weight"], torch.stack(weights).mean(0))  # the plain mean
+    torch.testing.assert_close(out["all"]["bn.weight"], coordinate_median(torch.stack(weights)))
+    with pytest.raises(ValueError, match="robust_scope"):
+        ServerSpec("median", robust_scope="gradients")
+
+
 def test_bad_replies_are_refused_with_the_client_named():
     x = torch.zeros(2, dtype=D)
     for spec in (ServerSpec(), ServerSpec("median")):

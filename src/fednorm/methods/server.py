@@ -52,6 +52,7 @@ from .robust import (ATTACKS, a_little_is_enough, attack_statistics, fall_of_emp
 SERVER_OPTIMIZERS = ("fedavgm", "fedadam", "fedyogi", "fedadagrad")
 ROBUST_RULES = ("median", "trimmed_mean", "krum")
 SERVER_RULES = ("mean", *SERVER_OPTIMIZERS, "fednova", *ROBUST_RULES)
+ROBUST_SCOPES = ("all", "statistics")
 ATTACK_TARGETS = ("statistics", "parameters")
 
 
@@ -66,6 +67,10 @@ class ServerSpec:
     tau: float = 1e-3  # adaptivity of FedAdam / FedYogi / FedAdagrad (Reddi et al.'s grid: 1e-3 is common)
     nnm: bool = False  # nearest-neighbour mixing before a robust rule (Allouah et al. 2023)
     robust_f: int | None = None  # f assumed by trimmed mean / Krum / NNM; None = the threat's Byzantine count
+    # what a robust rule aggregates: "all" (the parameters' pseudo-gradients and the BN statistics: Robust-DSGD
+    # with robust FBN), or "statistics" (only the BN statistics, parameters by the weighted mean: the reading
+    # where only the statistics are attacked, FBN paper Section 5, which does not say which it used)
+    robust_scope: str = "all"
 
     def __post_init__(self) -> None:
         if self.rule not in SERVER_RULES:
@@ -78,6 +83,8 @@ class ServerSpec:
             raise ValueError(f"server tau must be > 0, got {self.tau}")
         if self.nnm and self.rule not in ROBUST_RULES:
             raise ValueError("nnm pre-processes a robust rule (median, trimmed_mean, krum)")
+        if self.robust_scope not in ROBUST_SCOPES:
+            raise ValueError(f"robust_scope must be one of {', '.join(ROBUST_SCOPES)}, got {self.robust_scope!r}")
 
     @property
     def robust(self) -> bool:
@@ -324,8 +331,8 @@ class ServerUpdate:
         agg = self._aggregator()
         weights = torch.tensor([r.weight for r in replies], dtype=torch.float64)
 
-        def reduce(rows: Tensor) -> Tensor:
-            if agg is not None:
+        def reduce(rows: Tensor, robust: bool = True) -> Tensor:
+            if agg is not None and robust:
                 return agg(rows)
             w = weights.to(rows.dtype).reshape(-1, *([1] * (rows.dim() - 1)))
             return (w * rows).sum(dim=0) / w.sum()
@@ -338,7 +345,7 @@ class ServerUpdate:
                              for r in replies])
             if byz and "parameters" in self.threat.targets:
                 g[byz] = self._attack(g[honest], len(byz), n)
-            step = reduce(g)
+            step = reduce(g, robust=self.spec.robust_scope == "all")
             flat = x - step
             offset = 0
             for k in self.vector_keys:

@@ -125,6 +125,9 @@ class ServerConfig(_Strict):
     tau: float | None = Field(None, gt=0)
     nnm: bool | None = Field(None, description="nearest-neighbour mixing before a robust rule")
     robust_f: int | None = Field(None, ge=0, description="f of trimmed mean / Krum / NNM (default: the Byzantine count)")
+    robust_scope: Literal["all", "statistics"] | None = Field(
+        None, description="what a robust rule aggregates: all (parameters and BN statistics, default) or statistics "
+        "(BN statistics only, parameters by the weighted mean)")
 
 
 class MethodConfig(_Strict):
