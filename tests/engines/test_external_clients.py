@@ -25,13 +25,14 @@ def test_external_clients_never_train_and_are_evaluated_in_every_mode(tiny_clien
     assert "ext" not in results and "ext" not in eng.local_states
     evals = {e.client: e for e in eng.evaluate(("test",))}
     assert {"ext:global", "ext:test_time_bn", "ext:fedbn_average"} <= set(evals)
-    # each mode equals the external module's function on the global model, with the internal BN states
+    # each mode equals the external module's function on the global model, with the internal BN states: the
+    # configured test-time BN for test_time_bn, FedBN App. G's own protocol (the default) for fedbn_average
     model = eng.model
     model.load_state_dict(eng.global_state)
     states = [eng.local_states[c.name] for c in tiny_clients]
     for mode in ("global", "test_time_bn", "fedbn_average"):
-        expected = evaluate_external(model, outsider.test, eng.prepare, mode, ExternalBN(batch_size=8, momentum=0.5),
-                                     states)
+        bn = ExternalBN(batch_size=8, momentum=0.5) if mode == "test_time_bn" else None
+        expected = evaluate_external(model, outsider.test, eng.prepare, mode, bn, states)
         assert evals[f"ext:{mode}"].accuracy == expected.accuracy
         assert abs(evals[f"ext:{mode}"].loss - expected.loss) < 1e-6
 

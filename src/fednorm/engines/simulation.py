@@ -349,7 +349,10 @@ class InProcessEngine:
                     data = _without(data, held)
                 if len(data) == 0:
                     continue
-                result = evaluate_external(self.model, data, prepare, mode, self.external_bn, states,
+                # the configured test-time BN (UniFed) for test_time_bn; FedBN App. G's own protocol (population
+                # statistics over one pass, then prediction) for fedbn_average
+                bn = self.external_bn if mode == "test_time_bn" else None
+                result = evaluate_external(self.model, data, prepare, mode, bn, states,
                                            eval_batch_size=self.federation.eval_batch_size)
                 out.append(Evaluation(f"{client.name}:{mode}", "test", result.accuracy, result.loss,
                                       result.num_examples))

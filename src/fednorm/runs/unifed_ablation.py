@@ -41,14 +41,16 @@ def ablation_rows(run_dir: Path, data_dir: str | None = None) -> list[tuple[str,
             engine.load_state_dict(store.load_checkpoint(checkpoint))
             prepare = engine.runner.evaluation_prepare(engine.input_state)
             label = f"{method_cfg.display}/seed{seed}"
-            settings = [("global", "global", base)]
+            settings = [("global", "global", base), ("fedbn_average (App. G)", "fedbn_average", None)]
             settings += [(f"batch {b}", "test_time_bn", replace(base, batch_size=b)) for b in ABLATION_TEST_BATCH_SIZES]
             settings += [(f"momentum {m}", "test_time_bn", replace(base, batch_size=32, momentum=m))
                          for m in ABLATION_MOMENTA]
             for client in external:
                 for name, mode, bn in settings:
                     engine.model.load_state_dict(engine.global_state)
-                    result = evaluate_external(engine.model, client.test, prepare, mode, bn)
+                    states = [engine.local_states[c.name] for c in engine.clients if c.name in engine.local_states]
+                    result = evaluate_external(engine.model, client.test, prepare, mode, bn,
+                                               client_states=states or [engine.global_state])
                     rows.append((label, name, client.name, 100 * result.accuracy))
     return rows
 
