@@ -4,7 +4,7 @@
 # resumes unfinished cells. The shortened protocol of this machine (SHORT=1, the default): the CNN at
 # width 0.5, T = 500 steps with the lr decayed every 167 steps (the paper: width 1, T = 3000, every 1000).
 #   NAME=gamma0 EXTRA="--set data.gamma=0.0" bash benchmarks/fbn.sh
-#   PRESET=fbn_robust_mnistm NAME=sf-gamma0.1 ONLY="fbn-mean fbn-median" EXTRA="--set data.gamma=0.1" bash benchmarks/fbn.sh
+#   PRESET=fbn_robust_mnistm NAME=sf-gamma0.1 ONLY="fbn-mean fbn-median-stats" EXTRA="--set data.gamma=0.1" bash benchmarks/fbn.sh
 # ONLY keeps the preset's methods with these labels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
