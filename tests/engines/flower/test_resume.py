@@ -84,3 +84,22 @@ def test_resume_without_node_state_is_refused_for_a_method_with_client_state(tmp
     other = tiny_config("federation.rounds=5", "federation.checkpoint_every=2")
     with pytest.raises(RunError, match="another experiment"):
         run_flower(other, tmp_path / "flower", None, resume=True)
+
+
+def test_resume_commands_read_the_config_from_the_run_folder_and_refuse_a_missing_run(tmp_path):
+    from typer.testing import CliRunner
+
+    from fednorm.cli.main import app
+    from fednorm.engines.flower.runtime import write_app
+    from fednorm.runs.config import load_config
+
+    missing = CliRunner().invoke(app, ["flower", "sim", "--out", str(tmp_path / "none"), "--resume"])
+    assert missing.exit_code == 2 and "not a run folder" in missing.output
+    config = tiny_config("federation.rounds=4")
+    start_run(config, tmp_path / "run")  # a run folder (here finished in-process)
+    out = CliRunner().invoke(app, ["flower", "app", str(tmp_path / "app"), "--out", str(tmp_path / "run"), "--resume"])
+    assert out.exit_code == 0, out.output
+    text = (tmp_path / "app" / "pyproject.toml").read_text()
+    assert "resume = true" in text and "rounds: 4" in text
+    write_app(tmp_path / "app2", load_config("default"), tmp_path / "x")
+    assert "resume = false" in (tmp_path / "app2" / "pyproject.toml").read_text()
