@@ -325,3 +325,40 @@ def test_stateful_flags():
 def test_client_spec_rejects_bad_values(fields, match):
     with pytest.raises(ValueError, match=match):
         ClientSpec(**{"name": "sgd", **fields})
+
+
+# ---------------------------------------------------------------------------------------------- SCAFFOLD
+def test_effective_steps_of_sgd_with_momentum():
+    from fednorm.methods.client_algorithms import effective_steps
+
+    assert effective_steps(5) == 5
+    beta, K = 0.9, 7
+    assert effective_steps(K, beta) == pytest.approx((K - beta * (1 - beta**K) / (1 - beta)) / (1 - beta))  # FedNova
+    # EMA momentum (dampening = momentum): the first step is g itself, then buf = b buf + (1 - b) g = g
+    assert effective_steps(K, beta, beta) == pytest.approx(K)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_scaffold_option_two_recovers_a_constant_gradient_with_or_without_momentum(momentum):
+    """A linear loss has the same gradient everywhere: option II's c_i must equal it, momentum or not."""
+    from fednorm.methods.client_algorithms import Scaffold
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1, bias=False)
+    weight = torch.randn(1, 4)
+    x = torch.randn(16, 4)
+    ctx = context(model, lr=0.05)
+    ctx.momentum = momentum
+    ctx.server_state = {"c.weight": torch.zeros(1, 4)}
+    algo = Scaffold(ClientSpec("scaffold"))
+    algo.on_start(ctx, model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
+    for _ in range(6):
+        opt.zero_grad()
+        (model(x) * weight.sum()).mean().backward()
+        algo.on_gradients(ctx, model)
+        opt.step()
+    grad = (x.mean(0) * weight.sum()).reshape(1, 4)
+    message = algo.on_end(ctx, model, 6)
+    torch.testing.assert_close(ctx.client_state["c_i.weight"], grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(message["c.weight"], grad, rtol=1e-5, atol=1e-6)

@@ -100,9 +100,11 @@ class ClientRunner:
             normalizer = amplitude_normalizer(self.method.amplitude_norm, (input_state or {}).get("amp.global"))
             normalizer.train()
             prepare = lambda x: self.layout(AmplitudePrepare(normalizer)(x))  # noqa: E731
+        sgd_momentum = training.momentum if training.optimizer == "sgd" else 0.0
         context = ClientContext(
             client.name, training.lr, self.shared_params, shared_global, server_state,
             memory.algorithm_state if self.algorithm.stateful else {}, data=client.train, prepare=prepare,
+            momentum=sgd_momentum, dampening=sgd_momentum if training.momentum_style == "ema" else 0.0,
         )
         set_federation_size(self.model, instructions.num_participants)
         for layer in self.fbn_layers.values():
