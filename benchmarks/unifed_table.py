@@ -44,6 +44,13 @@ def main() -> None:
           f"({args.run_dir.name}). Internal: mean over the internal clients.\n")
     print("| method | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
+    try:  # the config's method order
+        from fednorm.runs.runner import load_run_config
+
+        order = [m.display for m in load_run_config(args.run_dir).methods]
+        rows = {m: rows[m] for m in sorted(rows, key=lambda m: order.index(m) if m in order else len(order))}
+    except Exception:  # noqa: BLE001 - a folder of cells without a run config keeps the files' order
+        pass
     base = [m for m in rows if not m.endswith("+ours")]
     for method in base + [m for m in rows if m.endswith("+ours") and m.removesuffix("+ours") not in base]:
         for label in (method, f"{method}+ours"):
