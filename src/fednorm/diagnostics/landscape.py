@@ -136,9 +136,7 @@ def landscape_of_cell(run_dir: Path, label: str | None = None, seed: int | None 
     """Draw the landscape of one cell of a run folder from its last checkpoint (``fednorm landscape``); returns
     the PNG written into the cell folder (``landscape.png``, or ``landscape-span<s>.png`` for another span)."""
     from ..runs import store
-    from ..runs.runner import (RUN_INFO_FILE, RunError, _needs_data_folder, build_engine, build_federation_data,
-                               load_run_config)
-    from ..data.datafolder import resolve_data_dir
+    from ..runs.runner import RunError, build_engine, build_federation_data, load_run_config, run_data_dir
 
     run_dir = Path(run_dir)
     config = load_run_config(run_dir)
@@ -152,12 +150,8 @@ def landscape_of_cell(run_dir: Path, label: str | None = None, seed: int | None 
     checkpoint = cell / store.CHECKPOINT_FILE
     if not checkpoint.exists():
         raise RunError(f"{cell} has no checkpoint: run or resume the cell first (`fednorm resume {run_dir}`)")
-    resolved = None
-    if _needs_data_folder(config):
-        info = run_dir / RUN_INFO_FILE
-        recorded = json.loads(info.read_text()).get("data_dir") if info.exists() else None
-        resolved = resolve_data_dir(data_dir or config.data.data_dir or recorded)
-    engine = build_engine(config, method_cfg, seed, build_federation_data(config, resolved))
+    engine = build_engine(config, method_cfg, seed,
+                          build_federation_data(config, run_data_dir(run_dir, config, data_dir)))
     engine.load_state_dict(store.load_checkpoint(checkpoint))
     result = landscape(engine, span=span, points=points, samples=samples, seed=seed)
     suffix = "" if span == 1.0 else f"-span{span:g}"

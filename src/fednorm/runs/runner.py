@@ -398,16 +398,21 @@ def load_run_config(run_dir: Path) -> ExperimentConfig:
     return validate(yaml.safe_load(path.read_text()) or {}, source=str(path))
 
 
+def run_data_dir(run_dir: Path, config: ExperimentConfig, data_dir: str | None = None) -> Path | None:
+    """The data folder of an existing run: ``data_dir``, else the config's, else the one the run recorded
+    (None when the run needs no data folder)."""
+    if not _needs_data_folder(config):
+        return None
+    info_path = Path(run_dir) / RUN_INFO_FILE
+    recorded = json.loads(info_path.read_text()).get("data_dir") if info_path.exists() else None
+    return resolve_data_dir(data_dir or config.data.data_dir or recorded)
+
+
 def resume_run(run_dir: Path, data_dir: str | None = None, progress: ProgressFn | None = None) -> list[CellResult]:
     """Continue a stopped run from its checkpoints with the config it was started with."""
     run_dir = Path(run_dir)
     config = load_run_config(run_dir)
-    resolved = None
-    if _needs_data_folder(config):
-        info_path = run_dir / RUN_INFO_FILE
-        recorded = json.loads(info_path.read_text()).get("data_dir") if info_path.exists() else None
-        resolved = resolve_data_dir(data_dir or config.data.data_dir or recorded)
-    return execute(run_dir, config, resolved, progress)
+    return execute(run_dir, config, run_data_dir(run_dir, config, data_dir), progress)
 
 
 def execute(
