@@ -8,7 +8,8 @@ Why not the ``byzfl`` package: it was compared (0.0.11) and agrees on median, tr
 and FOE, but its Krum scores on n - f - 1 neighbours (Blanchard et al.: n - f - 2), its ALIE adds
 rather than subtracts z * std with a fixed z = 1.5, and it computes in float32, which would break
 the float64 exactness that FBN's tests check; it would also add seaborn as a dependency.
-Not yet wired into the engine (issue 7).
+Used by the server update (:mod:`fednorm.methods.server`: ``server.rule`` median / trimmed_mean / krum with
+``nnm`` and ``robust_scope``) and by the attacks of ``federation.byzantine``.
 """
 
 from __future__ import annotations
