@@ -5,6 +5,7 @@
 #                                  # leave-one-corruption-type-out: one run folder per held-out type
 #   ABLATION=1 RUN=benchmarks/results/unifed/<run> bash benchmarks/unifed.sh
 #                                  # UniFed Fig. 6: external accuracy against test batch size and momentum,
+#                                  # saved per cell (re-running continues),
 #                                  # re-evaluating a finished run's checkpoints (no training)
 # EXTRA adds --set overrides (e.g. "--set federation.rounds=50 --set model.width=0.5"); re-running resumes.
 set -euo pipefail

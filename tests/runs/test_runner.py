@@ -191,6 +191,15 @@ def test_external_domain_is_reported_per_mode_and_left_out_of_the_average(tmp_pa
     # FedBN App. G's mode, recomputed from the checkpoint, equals the run's own final column
     assert fedavg[1][1] == "fedbn_average (App. G)"
     assert abs(fedavg[1][3] - 100 * final["rendered/street:fedbn_average"]) < 1e-9
+    # saved per cell and resumed: a run stopped after its first cell recomputes only the second
+    from fednorm.runs.unifed_ablation import ROWS_FILE, TABLE_FILE, iter_ablation, run_ablation
+
+    first_label, first_rows = next(iter_ablation(tmp_path / "run"))
+    store.write_json(tmp_path / "run" / ROWS_FILE, first_rows)
+    seen = []
+    resumed = run_ablation(tmp_path / "run", progress=lambda done, total: seen.append(total))
+    assert resumed == rows and set(seen) == {len(fedavg)}  # only fedbn's evaluations were left to do
+    assert "| fedbn/seed0 | momentum" in (tmp_path / "run" / TABLE_FILE).read_text()
 
 
 def test_validation_split_and_model_selection_by_validation_accuracy(tmp_path):

@@ -6,52 +6,106 @@ Re-evaluates the external clients of a finished run from its checkpoints (no tra
 :data:`~fednorm.methods.external.ABLATION_MOMENTA` at batch size 32; the global model ("aggregated BN", flat
 in both) is the baseline row. Writes ``unifed_ablation.md`` into the run folder.
 
-    python -m fednorm.runs.unifed_ablation RUN [--data-dir DIR]
+It takes minutes per cell on a small CPU, so each finished cell's rows are saved at once
+(``unifed_ablation.json``) and a re-run skips the cells already there (``--fresh`` starts over).
+
+    python -m fednorm.runs.unifed_ablation RUN [--data-dir DIR] [--fresh]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable, Iterator
 
 from ..data.datafolder import resolve_data_dir
 from ..methods.external import ABLATION_MOMENTA, ABLATION_TEST_BATCH_SIZES, evaluate_external
 from . import store
 from .runner import _needs_data_folder, build_engine, build_federation_data, load_run_config, split_external
 
+ROWS_FILE = "unifed_ablation.json"
+TABLE_FILE = "unifed_ablation.md"
 
-def ablation_rows(run_dir: Path, data_dir: str | None = None) -> list[tuple[str, str, float, float]]:
-    """(cell, setting, external client, accuracy %) for every finished cell and ablation setting."""
+Row = tuple[str, str, str, float]  # (cell, setting, external client, accuracy %)
+
+
+def iter_ablation(
+    run_dir: Path,
+    data_dir: str | None = None,
+    skip: set[str] = frozenset(),
+    progress: Callable[[int, int], None] | None = None,
+) -> Iterator[tuple[str, list[Row]]]:
+    """Yield (cell label, its rows) for every cell with a checkpoint whose label is not in ``skip``.
+
+    ``progress(done, total)`` is called after each evaluation (total = evaluations still to do)."""
     config = load_run_config(run_dir)
     if not config.external.domains:
         raise SystemExit(f"{run_dir}: the run has no external clients (external.domains); nothing to ablate")
     resolved = resolve_data_dir(data_dir or config.data.data_dir) if _needs_data_folder(config) else None
     clients = build_federation_data(config, resolved)
     _, external = split_external(clients)
-    rows = []
     base = config.external.bn()
-    for method_cfg in config.methods:
-        for seed in config.seeds:
-            cell = store.cell_dir(run_dir, method_cfg.display, seed)
-            checkpoint = cell / store.CHECKPOINT_FILE
-            if not checkpoint.exists():
-                continue
-            engine = build_engine(config, method_cfg, seed, clients)
-            engine.load_state_dict(store.load_checkpoint(checkpoint))
-            prepare = engine.runner.evaluation_prepare(engine.input_state)
-            label = f"{method_cfg.display}/seed{seed}"
-            settings = [("global", "global", base), ("fedbn_average (App. G)", "fedbn_average", None)]
-            settings += [(f"batch {b}", "test_time_bn", replace(base, batch_size=b)) for b in ABLATION_TEST_BATCH_SIZES]
-            settings += [(f"momentum {m}", "test_time_bn", replace(base, batch_size=32, momentum=m))
-                         for m in ABLATION_MOMENTA]
-            for client in external:
-                for name, mode, bn in settings:
-                    engine.model.load_state_dict(engine.global_state)
-                    states = [engine.local_states[c.name] for c in engine.clients if c.name in engine.local_states]
-                    result = evaluate_external(engine.model, client.test, prepare, mode, bn,
-                                               client_states=states or [engine.global_state])
-                    rows.append((label, name, client.name, 100 * result.accuracy))
+    settings = [("global", "global", base), ("fedbn_average (App. G)", "fedbn_average", None)]
+    settings += [(f"batch {b}", "test_time_bn", replace(base, batch_size=b)) for b in ABLATION_TEST_BATCH_SIZES]
+    settings += [(f"momentum {m}", "test_time_bn", replace(base, batch_size=32, momentum=m)) for m in ABLATION_MOMENTA]
+    todo = [(m, s) for m in config.methods for s in config.seeds
+            if f"{m.display}/seed{s}" not in skip
+            and (store.cell_dir(run_dir, m.display, s) / store.CHECKPOINT_FILE).exists()]
+    total, done = len(todo) * len(external) * len(settings), 0
+    for method_cfg, seed in todo:
+        engine = build_engine(config, method_cfg, seed, clients)
+        engine.load_state_dict(store.load_checkpoint(store.cell_dir(run_dir, method_cfg.display, seed) / store.CHECKPOINT_FILE))
+        prepare = engine.runner.evaluation_prepare(engine.input_state)
+        label = f"{method_cfg.display}/seed{seed}"
+        states = [engine.local_states[c.name] for c in engine.clients if c.name in engine.local_states]
+        rows: list[Row] = []
+        for client in external:
+            for name, mode, bn in settings:
+                engine.model.load_state_dict(engine.global_state)
+                result = evaluate_external(engine.model, client.test, prepare, mode, bn,
+                                           client_states=states or [engine.global_state])
+                rows.append((label, name, client.name, 100 * result.accuracy))
+                done += 1
+                if progress:
+                    progress(done, total)
+        yield label, rows
+
+
+def ablation_rows(run_dir: Path, data_dir: str | None = None) -> list[Row]:
+    """Every (cell, setting, external client, accuracy %) row of the run, computed now (nothing saved)."""
+    return [row for _, rows in iter_ablation(run_dir, data_dir) for row in rows]
+
+
+def markdown_table(rows: list[Row]) -> str:
+    """One line per (cell, setting), one column per external client, and their mean."""
+    clients = sorted({r[2] for r in rows})
+    cells = list(dict.fromkeys(r[0] for r in rows))
+    lines = ["| cell | setting | " + " | ".join(clients) + " | mean |", "|---|---|" + "---|" * (len(clients) + 1)]
+    for cell in cells:
+        for setting in dict.fromkeys(r[1] for r in rows if r[0] == cell):
+            accs = {r[2]: r[3] for r in rows if r[0] == cell and r[1] == setting}
+            mean = sum(accs.values()) / len(accs)
+            lines.append(f"| {cell} | {setting} | " + " | ".join(f"{accs[c]:.2f}" for c in clients) + f" | {mean:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_ablation(run_dir: Path, data_dir: str | None = None, fresh: bool = False,
+                 progress: Callable[[int, int], None] | None = None) -> list[Row]:
+    """Compute the cells not saved yet, saving rows and table after each cell; return all rows."""
+    rows_path = run_dir / ROWS_FILE
+    rows: list[Row] = []
+    if rows_path.exists() and not fresh:
+        try:
+            rows = [tuple(r) for r in json.loads(rows_path.read_text())]
+        except (json.JSONDecodeError, TypeError) as err:
+            raise SystemExit(f"{rows_path} is not a saved ablation ({err}); delete it or pass --fresh") from err
+    for _, cell_rows in iter_ablation(run_dir, data_dir, skip={r[0] for r in rows}, progress=progress):
+        rows += cell_rows
+        store.write_json(rows_path, rows)
+        table = markdown_table(rows).encode()
+        store.atomic_write_bytes(run_dir / TABLE_FILE, lambda fh: fh.write(table))
     return rows
 
 
@@ -59,20 +113,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run", type=Path)
     parser.add_argument("--data-dir")
+    parser.add_argument("--fresh", action="store_true", help="recompute every cell (ignore unifed_ablation.json)")
     args = parser.parse_args(argv)
-    rows = ablation_rows(args.run, args.data_dir)
-    clients = sorted({r[2] for r in rows})
-    cells = sorted({r[0] for r in rows})
-    lines = ["| cell | setting | " + " | ".join(clients) + " | mean |", "|---|---|" + "---|" * (len(clients) + 1)]
-    for cell in cells:
-        settings = [r[1] for r in rows if r[0] == cell]
-        for setting in dict.fromkeys(settings):
-            accs = {r[2]: r[3] for r in rows if r[0] == cell and r[1] == setting}
-            mean = sum(accs.values()) / len(accs)
-            lines.append(f"| {cell} | {setting} | " + " | ".join(f"{accs[c]:.2f}" for c in clients) + f" | {mean:.2f} |")
-    text = "\n".join(lines) + "\n"
-    (args.run / "unifed_ablation.md").write_text(text)
-    print(text)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("UniFed ablation"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()) as bar:
+        task = bar.add_task("evaluations", total=None)
+        rows = run_ablation(args.run, args.data_dir, args.fresh,
+                            progress=lambda done, total: bar.update(task, completed=done, total=total))
+    if not rows:
+        raise SystemExit(f"{args.run}: no cell has a checkpoint ({store.CHECKPOINT_FILE}); nothing to ablate")
+    print(markdown_table(rows))
 
 
 if __name__ == "__main__":
