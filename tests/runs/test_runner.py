@@ -230,3 +230,30 @@ def test_partitions_are_saved_with_the_run_and_checked_on_resume(tmp_path):
     (tmp_path / "run" / "partitions.json").write_text(json.dumps(saved))
     with pytest.raises(RunError, match="rendered/print.*train data"):
         resume_run(tmp_path / "run")
+
+
+def test_a_diverged_cell_stops_the_run_or_is_recorded_and_the_grid_goes_on(tmp_path):
+    from fednorm.methods.aggregation import DivergenceError
+    from fednorm.runs.report import DIVERGED
+
+    methods = "methods=[{name: fedavg, label: fedavg-lr1e9, lr: 1.0e9}, fedbn]"
+    with pytest.raises(DivergenceError, match="lower the learning rate"):  # default: stop, with the advice
+        start_run(tiny_config(methods), tmp_path / "stop")
+    assert not (tmp_path / "stop" / "fedbn" / "seed0").exists()
+
+    results = start_run(tiny_config(methods, "federation.on_divergence=record"), tmp_path / "run")
+    bad, good = results
+    at = bad.summary["diverged"]["round"]
+    assert 1 <= at < 4 and "nan" in bad.summary["diverged"]["reason"].lower()
+    # the cell stopped at the round that failed and was evaluated there with the server's last finite model
+    records = store.read_metrics(tmp_path / "run" / "fedavg-lr1e9" / "seed0" / "metrics.jsonl")
+    assert max((r["round"] for r in records if r["split"] == "train"), default=0) == at - 1
+    final = [r for r in records if r["split"] == "test" and r["round"] == at]
+    assert len(final) == 2 and all(r["diverged"] for r in final)
+    assert [c["test"]["final_acc"] for c in bad.summary["clients"]] == [r["acc"] for r in final]
+    # the next cell ran to the end, and the table marks the diverged method with a footnote
+    assert "diverged" not in good.summary and good.summary["rounds"] == 4
+    text = (tmp_path / "run" / "results.md").read_text()
+    assert f"| fedavg-lr1e9{DIVERGED} |" in text and f"fedavg-lr1e9 seed 0 at round {at}" in text
+    # a resume keeps the recorded outcome instead of retraining into the same NaN
+    assert resume_run(tmp_path / "run")[0].summary["diverged"] == bad.summary["diverged"]

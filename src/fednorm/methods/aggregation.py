@@ -32,6 +32,13 @@ class UpdateError(RuntimeError):
     """A client's update cannot be aggregated (wrong keys, shapes or non-finite values)."""
 
 
+class DivergenceError(UpdateError, FloatingPointError):
+    """Training diverged: a client's loss or update is NaN or infinite.
+
+    Also a ``FloatingPointError``, so callers that catch either keep working; ``federation.on_divergence:
+    record`` ends only the diverged cell (the run goes on), ``stop`` (default) stops the run with it."""
+
+
 def all_finite(value: torch.Tensor) -> bool:
     """True when no element is NaN or +-inf. Fast path: the sum (one read pass, no temporary) is finite
     whenever every element is, unless it overflows; only then is the element-wise check run."""
@@ -76,7 +83,7 @@ class WeightedMean:
                 )
             if value.is_floating_point():
                 if not all_finite(value):
-                    raise UpdateError(
+                    raise DivergenceError(
                         f"client {client!r} sent non-finite values in {key!r} (NaN or inf): its local training "
                         "diverged; lower the learning rate or check its data"
                     )

@@ -28,6 +28,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..data.domain import Split
 from .agc import agc_parameters, clip_unitwise_
+from .aggregation import DivergenceError
 from .client_algorithms import ClientAlgorithm, ClientContext
 from .tasks import CLASSIFICATION, Task
 
@@ -262,7 +263,7 @@ def train_locally(
         else:
             value = float(custom)
         if not math.isfinite(value):
-            raise FloatingPointError(
+            raise DivergenceError(
                 f"local training loss became {value} after {seen} samples: lower the learning rate "
                 f"(now {cfg.lr}) or check the client's data"
             )

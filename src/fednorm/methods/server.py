@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .aggregation import UpdateError, WeightedMean, all_finite
+from .aggregation import DivergenceError, UpdateError, WeightedMean, all_finite
 from .fbn_stats import aggregate_fbn, aggregate_fbn_weighted
 from .robust import (ATTACKS, a_little_is_enough, attack_statistics, fall_of_empires, robust_aggregator,
                      sign_flip)
@@ -226,7 +226,7 @@ class ServerUpdate:
             if v.dtype != ref.dtype:
                 raise UpdateError(f"{who} sent {k!r} as {v.dtype}, expected {ref.dtype}")
             if v.is_floating_point() and not all_finite(v):
-                raise UpdateError(f"{who} sent non-finite values in {k!r} (NaN or inf): its local training "
+                raise DivergenceError(f"{who} sent non-finite values in {k!r} (NaN or inf): its local training "
                                   "diverged; lower the learning rate or check its data")
         for prefix in self.fbn_layers:
             count = reply.bn_counts.get(prefix)
@@ -267,7 +267,7 @@ class ServerUpdate:
         mean, var = reply.state[f"{prefix}.running_mean"], reply.state[f"{prefix}.running_var"]
         for name, t in (("running_mean", mean), ("running_var", var)):
             if not all_finite(t):
-                raise UpdateError(f"client {reply.client!r} sent non-finite values in {prefix}.{name}")
+                raise DivergenceError(f"client {reply.client!r} sent non-finite values in {prefix}.{name}")
         # copies: the reply may hold the live buffers of the working model, which the next client overwrites
         return mean.to(torch.float64, copy=True), var.to(torch.float64, copy=True), int(count)
 
@@ -313,7 +313,7 @@ class ServerUpdate:
                 raise UpdateError(f"client {reply.client!r} sent {k!r} with shape {tuple(v.shape)}, expected "
                                   f"{tuple(ref.shape)}")
             if v.is_floating_point() and not all_finite(v):
-                raise UpdateError(f"client {reply.client!r} sent non-finite values in {k!r} (NaN or inf): its local "
+                raise DivergenceError(f"client {reply.client!r} sent non-finite values in {k!r} (NaN or inf): its local "
                                   "training diverged; lower the learning rate or check its data")
 
     def _aggregator(self):

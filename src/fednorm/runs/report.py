@@ -17,6 +17,7 @@ import numpy as np
 from . import store
 
 DAGGER = "†"
+DIVERGED = "‡"
 
 
 @dataclass
@@ -28,6 +29,7 @@ class ResultsTable:
     paper: dict[str, dict[str, float]] = field(default_factory=dict)
     metric: str = "final_acc"
     score: str = "accuracy"  # what the numbers are: the cells' task metric (accuracy, dice; "score" if mixed)
+    diverged: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # method -> (seed, round) that diverged
 
     @property
     def score_label(self) -> str:
@@ -47,6 +49,8 @@ class ResultsTable:
 
     def to_dict(self) -> dict:
         out = {"metric": self.metric, "score": self.score, "columns": self.columns, "methods": {}}
+        if self.diverged:
+            out["diverged"] = {m: [{"seed": seed, "round": rnd} for seed, rnd in where] for m, where in self.diverged.items()}
         for method in self.rows:
             out["methods"][method] = {
                 "seeds": self.seeds[method],
@@ -62,7 +66,7 @@ class ResultsTable:
         head = ["Method", "seeds"] + [self.header(c) for c in self.columns] + ["Avg"]
         body = []
         for method in self.rows:
-            row = [method, str(len(self.seeds[method]))]
+            row = [method + (DIVERGED if method in self.diverged else ""), str(len(self.seeds[method]))]
             for c in self.columns + ["Avg"]:
                 v = self.cell(method, c)
                 row.append("-" if v is None else f"{v[0]:.2f} ({v[1]:.2f})")
@@ -74,10 +78,17 @@ class ResultsTable:
         return [head] + body
 
     def footnote(self) -> str:
+        notes = []
         marked = [c for c in self.columns if self.origins.get(c, "real") != "real"]
-        if not marked:
-            return ""
-        return f"{DAGGER} rendered stand-in domain (procedurally drawn digits), not a real dataset: " + ", ".join(marked)
+        if marked:
+            notes.append(f"{DAGGER} rendered stand-in domain (procedurally drawn digits), not a real dataset: "
+                         + ", ".join(marked))
+        if self.diverged:
+            cells = "; ".join(f"{m} seed {seed} at round {rnd}" for m, where in self.diverged.items()
+                              for seed, rnd in where)
+            notes.append(f"{DIVERGED} training diverged (NaN/inf loss or update), the cell stopped there and its numbers "
+                         f"are the server's last finite model: {cells}")
+        return "\n\n".join(notes)
 
     def markdown(self) -> str:
         rows = self.text_rows()
@@ -99,6 +110,8 @@ def build_table(summaries: list[dict], paper: dict | None = None, metric: str = 
         if s["seed"] in table.seeds.get(method, []):
             continue  # the same (method, seed) from two folders counts once
         table.seeds.setdefault(method, []).append(s["seed"])
+        if "diverged" in s:
+            table.diverged.setdefault(method, []).append((s["seed"], s["diverged"]["round"]))
         row = table.rows.setdefault(method, {})
         accs = []
         for c in s["clients"]:

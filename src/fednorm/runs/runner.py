@@ -22,6 +22,7 @@ from ..data.domain import ClientData, normalize_batch
 from ..data.federation import (build_clients, domain_eval_clients, image_size, is_rendered, load_pool, num_classes,
                                pooled_client)
 from ..data.partition import LABEL_SKEW_SCHEMES, label_skew_clients
+from ..methods.aggregation import DivergenceError
 from ..methods.server import Threat
 from ..methods.local_update import resolve_precision
 from ..methods.tasks import prepare_features
@@ -215,8 +216,23 @@ def run_cell(
     label = method_cfg.display
     if progress:
         progress(label, seed, engine.round, rounds, {})
+    diverged: dict | None = None
     while engine.round < rounds:
-        train_results = engine.run_round()
+        try:
+            train_results = engine.run_round()
+        except DivergenceError as err:
+            if f.on_divergence != "record":
+                raise
+            # the server's model is still the last finite aggregate; clients that trained before the failing one
+            # keep their (finite) new local state. Evaluated and recorded at the round that diverged.
+            diverged = {"round": engine.round + 1, "reason": str(err)}
+            evals = engine.evaluate()
+            store.append_metrics(metrics_path, [
+                {"round": diverged["round"], "client": e.client, "split": e.split, "acc": e.accuracy, "loss": e.loss,
+                 "n": e.num_examples, "metric": e.metric, "diverged": True} for e in evals])
+            if progress:
+                progress(label, seed, rounds, rounds, {"diverged": diverged["round"]})
+            break
         r = engine.round
         records = [
             {"round": r, "client": name, "split": "train", "loss": res.mean_loss, "steps": res.num_steps,
@@ -247,7 +263,7 @@ def run_cell(
             progress(label, seed, r, rounds, last)
     internal, external = split_external(clients)
     reported = evaluation_clients(config, internal, method_cfg) + external_entries(external, config.external.modes)
-    if config.diagnostics.landscape:  # before the summary: a stop here redoes only the landscape on resume
+    if config.diagnostics.landscape and diverged is None:  # before the summary: a stop here redoes only the landscape
         from ..diagnostics import landscape
 
         d = config.diagnostics
@@ -257,6 +273,8 @@ def run_cell(
                        f"(round {engine.round})")
     summary = summarize_cell(store.read_metrics(metrics_path), reported, label,
                              seed, rounds)
+    if diverged is not None:
+        summary["diverged"] = diverged
     store.write_json(cell / store.SUMMARY_FILE, summary)
     from .plots import plot_cell
 
