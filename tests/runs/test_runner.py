@@ -191,6 +191,9 @@ def test_external_domain_is_reported_per_mode_and_left_out_of_the_average(tmp_pa
     # FedBN App. G's mode, recomputed from the checkpoint, equals the run's own final column
     assert fedavg[1][1] == "fedbn_average (App. G)"
     assert abs(fedavg[1][3] - 100 * final["rendered/street:fedbn_average"]) < 1e-9
+    # Fig. 6(a)'s one-batch study is momentum 0: its batch-32 point is Fig. 6(b)'s momentum-0 point
+    by_setting = {r[1]: r[3] for r in fedavg}
+    assert by_setting["batch 32"] == by_setting["momentum 0.0"]
     # saved per cell and resumed: a run stopped after its first cell recomputes only the second
     from fednorm.runs.unifed_ablation import ROWS_FILE, TABLE_FILE, iter_ablation, run_ablation
 

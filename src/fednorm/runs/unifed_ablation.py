@@ -1,10 +1,11 @@
 """UniFed's test-time BN ablation (Fig. 6): external accuracy against the test batch size and the momentum.
 
 Re-evaluates the external clients of a finished run from its checkpoints (no training): every cell
-(method, seed) of the run folder, test-time BN statistics with each test batch size of
-:data:`fednorm.methods.external.ABLATION_TEST_BATCH_SIZES` at the run's momentum, and each momentum of
-:data:`~fednorm.methods.external.ABLATION_MOMENTA` at batch size 32; the global model ("aggregated BN", flat
-in both) is the baseline row. Writes ``unifed_ablation.md`` into the run folder.
+(method, seed) of the run folder, (a) the one-batch study: each test batch normalized with its own statistics
+only (momentum 0), for each test batch size of :data:`fednorm.methods.external.ABLATION_TEST_BATCH_SIZES`;
+(b) each momentum of :data:`~fednorm.methods.external.ABLATION_MOMENTA` at test batch size 32; the global
+model ("aggregated BN", flat in both) is the baseline row, FedBN App. G a further one. Writes
+``unifed_ablation.md`` into the run folder.
 
 It takes minutes per cell on a small CPU, so each finished cell's rows are saved at once
 (``unifed_ablation.json``) and a re-run skips the cells already there (``--fresh`` starts over).
@@ -48,7 +49,9 @@ def iter_ablation(
     _, external = split_external(clients)
     base = config.external.bn()
     settings = [("global", "global", base), ("fedbn_average (App. G)", "fedbn_average", None)]
-    settings += [(f"batch {b}", "test_time_bn", replace(base, batch_size=b)) for b in ABLATION_TEST_BATCH_SIZES]
+    # Fig. 6(a) is a one-batch experiment: no statistics carried over between batches (momentum 0)
+    settings += [(f"batch {b}", "test_time_bn", replace(base, batch_size=b, momentum=0.0))
+                 for b in ABLATION_TEST_BATCH_SIZES]
     settings += [(f"momentum {m}", "test_time_bn", replace(base, batch_size=32, momentum=m)) for m in ABLATION_MOMENTA]
     todo = [(m, s) for m in config.methods for s in config.seeds
             if f"{m.display}/seed{s}" not in skip
