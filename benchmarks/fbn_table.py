@@ -3,7 +3,8 @@
     python benchmarks/fbn_table.py            # markdown: final and best test accuracy per method and setting
 
 Each run folder holds every method of its preset for one setting (gamma, Dirichlet alpha, attack);
-a cell still running shows its last evaluated round.
+a cell still running shows its last evaluated round, a diverged one (federation.on_divergence: record) the
+step where it stopped (its final number is the server's last finite model there).
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ def main(root: Path = ROOT) -> None:
             final, best, last = numbers
             if method not in methods:
                 methods.append(method)
-            status = "" if (seed_dir / "summary.json").exists() else f" (round {last})"
+            summary = seed_dir / "summary.json"
+            diverged = json.loads(summary.read_text()).get("diverged") if summary.exists() else None
+            status = (f" (diverged at {diverged['round']})" if diverged
+                      else "" if summary.exists() else f" (round {last})")
             table.setdefault(run.name, {})[method] = f"{final:.2f} / {best:.2f}{status}"
     print("| setting | " + " | ".join(methods) + " |")
     print("| --- | " + " | ".join("---" for _ in methods) + " |")
