@@ -21,10 +21,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..data.datafolder import resolve_data_dir
 from ..methods.external import ABLATION_MOMENTA, ABLATION_TEST_BATCH_SIZES, evaluate_external
 from . import store
-from .runner import _needs_data_folder, build_engine, build_federation_data, load_run_config, split_external
+from .runner import build_engine, build_federation_data, load_run_config, run_data_dir, split_external
 
 ROWS_FILE = "unifed_ablation.json"
 TABLE_FILE = "unifed_ablation.md"
@@ -44,8 +43,7 @@ def iter_ablation(
     config = load_run_config(run_dir)
     if not config.external.domains:
         raise SystemExit(f"{run_dir}: the run has no external clients (external.domains); nothing to ablate")
-    resolved = resolve_data_dir(data_dir or config.data.data_dir) if _needs_data_folder(config) else None
-    clients = build_federation_data(config, resolved)
+    clients = build_federation_data(config, run_data_dir(run_dir, config, data_dir))
     _, external = split_external(clients)
     base = config.external.bn()
     settings = [("global", "global", base), ("fedbn_average (App. G)", "fedbn_average", None)]
