@@ -137,3 +137,27 @@ def test_adam_refuses_sgd_momentum():
         load_config("default", ["training.optimizer=adam", "training.momentum=0.9"])
     prostate = load_config("harmofl_prostate").training.build()
     assert (prostate.optimizer, prostate.lr, prostate.betas, prostate.momentum) == ("adam", 1e-4, (0.9, 0.99), 0.0)
+
+
+def test_ema_client_momentum_starts_from_zero_and_carries_over_rounds():
+    """FBN's client momentum (Robust-DSGD): m_t = mu m_(t-1) + (1 - mu) g_t from m_0 = 0, one step per round,
+    the optimizer state kept between rounds; torch's SGD alone would take m_1 = g_1."""
+    mu, lr = 0.9, 0.1
+    data = make_split(8, seed=1)
+    cfg = LocalTraining(batch_size=8, steps=1, lr=lr, momentum=mu, momentum_style="ema")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 28 * 28, 10))
+    check = nn.Sequential(nn.Flatten(), nn.Linear(3 * 28 * 28, 10))
+    check.load_state_dict(model.state_dict())
+    state = None
+    buffers = [torch.zeros_like(p) for p in check.parameters()]
+    for _ in range(3):
+        _, state = train_locally(model, data, cfg, generator=torch.Generator(), prepare=normalize_batch,
+                                 optimizer_state=state)
+        grads = torch.autograd.grad(F.cross_entropy(check(normalize_batch(data.x)), data.y), list(check.parameters()))
+        with torch.no_grad():
+            for p, m, g in zip(check.parameters(), buffers, grads):
+                m.mul_(mu).add_((1 - mu) * g)
+                p.sub_(lr * m)
+        for a, b in zip(model.parameters(), check.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -334,8 +334,23 @@ def test_effective_steps_of_sgd_with_momentum():
     assert effective_steps(5) == 5
     beta, K = 0.9, 7
     assert effective_steps(K, beta) == pytest.approx((K - beta * (1 - beta**K) / (1 - beta)) / (1 - beta))  # FedNova
-    # EMA momentum (dampening = momentum): the first step is g itself, then buf = b buf + (1 - b) g = g
-    assert effective_steps(K, beta, beta) == pytest.approx(K)
+    # EMA momentum from a zero buffer: buf_k = 1 - b^k, so K steps move K - b (1 - b^K) / (1 - b) gradients
+    assert effective_steps(K, beta, "ema") == pytest.approx(K - beta * (1 - beta**K) / (1 - beta))
+
+
+@pytest.mark.parametrize("style", ["pytorch", "ema"])
+def test_effective_steps_equal_the_local_optimizers_movement_under_a_constant_gradient(style):
+    from fednorm.methods.client_algorithms import effective_steps
+    from fednorm.methods.local_update import LocalTraining, build_optimizer
+
+    w = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    g = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    cfg = LocalTraining(lr=0.1, momentum=0.9, momentum_style=style)
+    optimizer = build_optimizer([w], cfg)
+    for _ in range(6):
+        w.grad = g.clone()
+        optimizer.step()
+    assert torch.allclose(w.detach(), -0.1 * effective_steps(6, 0.9, style) * g)
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])

@@ -107,17 +107,19 @@ class ClientContext:
     data: object = None  # the client's training Split (SCAFFOLD option I's full gradient)
     prepare: object = None
     scratch: dict = field(default_factory=dict)
-    momentum: float = 0.0  # the local SGD's momentum and dampening (SCAFFOLD option II's effective step count)
-    dampening: float = 0.0
+    momentum: float = 0.0  # the local SGD's momentum and its style (SCAFFOLD option II's effective step count)
+    momentum_style: str = "pytorch"
 
 
-def effective_steps(num_steps: int, momentum: float = 0.0, dampening: float = 0.0) -> float:
-    """How many gradient lengths K steps of PyTorch's SGD move the weights under a constant gradient, from a
-    zero momentum buffer (the first step sets buf = g, then buf = momentum buf + (1 - dampening) g): K without
-    momentum; up to K / (1 - momentum) with it (FedNova's ||a||_1 for dampening 0)."""
+def effective_steps(num_steps: int, momentum: float = 0.0, momentum_style: str = "pytorch") -> float:
+    """How many gradient lengths K steps of the local SGD move the weights under a constant gradient, from a
+    zero momentum buffer: K without momentum; ``pytorch`` (buf = momentum buf + g) up to K / (1 - momentum)
+    (FedNova's ||a||_1); ``ema`` (buf = momentum buf + (1 - momentum) g, from 0) K - momentum (1 - momentum^K)
+    / (1 - momentum), below K (:func:`fednorm.methods.local_update.build_optimizer`)."""
+    gain = 1 - momentum if momentum_style == "ema" else 1.0
     buf = total = 0.0
-    for k in range(num_steps):
-        buf = 1.0 if k == 0 else momentum * buf + (1 - dampening)
+    for _ in range(num_steps):
+        buf = momentum * buf + gain
         total += buf
     return total
 
@@ -216,7 +218,7 @@ class Scaffold(ClientAlgorithm):
             for k in ctx.shared_params:
                 c = ctx.server_state[f"c.{k}"]
                 ci = ctx.client_state.get(f"c_i.{k}", torch.zeros_like(c))
-                steps = effective_steps(num_steps, ctx.momentum, ctx.dampening)
+                steps = effective_steps(num_steps, ctx.momentum, ctx.momentum_style)
                 drift = (ctx.global_state[k].float() - params[k].detach().float()) / (steps * ctx.lr)
                 new_ci[k] = ci - c + drift
         message = {}

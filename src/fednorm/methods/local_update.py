@@ -119,6 +119,36 @@ class LocalResult:
         return self.loss_sum / max(self.num_examples, 1)
 
 
+def build_optimizer(params, cfg: LocalTraining, state: dict | None = None) -> torch.optim.Optimizer:
+    """The client's optimizer as ``cfg`` names it, restored from ``state`` (a persistent optimizer's
+    momentum buffers) with this round's lr and hyper-parameters (the saved ones give way).
+
+    ``momentum_style: ema`` is the Polyak form m_t = mu m_(t-1) + (1 - mu) g_t from m_0 = 0, the client
+    momentum of Robust-DSGD and the FBN paper (the EPFL byzfl clients start their momentum at zeros). It is
+    torch's SGD with dampening mu, whose missing buffers are first set to zero: torch.optim.SGD would
+    otherwise take buf = g on its first step, undamped, and at mu = 0.99 that first gradient alone would
+    move the weights by about 100 lr g over the next few hundred steps (a loss blow-up of BatchNorm models
+    in FBN's protocol before this was fixed).
+    """
+    params = list(params)
+    if cfg.optimizer == "adam":
+        hyper = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        optimizer: torch.optim.Optimizer = torch.optim.Adam(params, **hyper)
+    else:
+        dampening = cfg.momentum if cfg.momentum_style == "ema" else 0.0
+        hyper = dict(lr=cfg.lr, momentum=cfg.momentum, dampening=dampening, weight_decay=cfg.weight_decay)
+        optimizer = torch.optim.SGD(params, **hyper)
+    if state is not None:
+        optimizer.load_state_dict(state)
+        for group in optimizer.param_groups:
+            group.update(**hyper)
+    if cfg.optimizer == "sgd" and cfg.momentum_style == "ema" and cfg.momentum > 0:
+        for p in params:
+            if optimizer.state[p].get("momentum_buffer") is None:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return optimizer
+
+
 def has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, _BatchNorm) for m in model.modules())
 
@@ -208,17 +238,7 @@ def train_locally(
                 module.eval()
     clipped = agc_parameters(model, agc_exclude_head) if agc_clip > 0 else []
     params = dict(model.named_parameters())
-    if cfg.optimizer == "adam":
-        hyper = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-        optimizer = torch.optim.Adam(params.values(), **hyper)
-    else:
-        dampening = cfg.momentum if cfg.momentum_style == "ema" else 0.0
-        hyper = dict(lr=cfg.lr, momentum=cfg.momentum, dampening=dampening, weight_decay=cfg.weight_decay)
-        optimizer = torch.optim.SGD(params.values(), **hyper)
-    if optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state)
-        for group in optimizer.param_groups:  # the saved state carries the old lr; this round's schedule wins
-            group.update(**hyper)
+    optimizer = build_optimizer(params.values(), cfg, optimizer_state)
     prox = []
     if prox_mu > 0 and prox_reference:
         prox = [(params[name], ref) for name, ref in prox_reference.items() if name in params]

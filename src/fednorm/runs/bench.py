@@ -49,7 +49,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..data.domain import ClientData, Split
 from ..data.federation import is_rendered
-from ..methods.local_update import LocalTraining, batch_schedule, has_batchnorm, native_bf16
+from ..methods.local_update import LocalTraining, batch_schedule, build_optimizer, has_batchnorm, native_bf16
 from . import store
 from .config import ExperimentConfig, MethodConfig, load_config, validate
 
@@ -353,11 +353,9 @@ def plain_training(model: nn.Module, optimizer: torch.optim.Optimizer, batches: 
     return seen, time.perf_counter() - start
 
 
-def reference_optimizer(model: nn.Module, training: LocalTraining) -> torch.optim.SGD:
+def reference_optimizer(model: nn.Module, training: LocalTraining) -> torch.optim.Optimizer:
     """The optimizer :func:`~fednorm.methods.local_update.train_locally` builds, once for the whole loop."""
-    dampening = training.momentum if training.momentum_style == "ema" else 0.0
-    return torch.optim.SGD(model.parameters(), lr=training.lr, momentum=training.momentum, dampening=dampening,
-                           weight_decay=training.weight_decay)
+    return build_optimizer(model.parameters(), training)
 
 
 # ------------------------------------------------------------------------------------------ speed

@@ -218,7 +218,7 @@ class TrainingConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0)
     drop_last: bool = False
     momentum_style: Literal["pytorch", "ema"] = Field(
-        "pytorch", description="ema: buf = mu buf + (1 - mu) g (the Byzantine-ML / FBN client momentum)")
+        "pytorch", description="ema: buf = mu buf + (1 - mu) g from buf = 0 (the Byzantine-ML / FBN client momentum)")
     lr_decay_every: int | None = Field(None, ge=1, description="lr / (1 + floor(round / lr_decay_every)) (FBN)")
     optimizer: Literal["sgd", "adam"] = Field("sgd", description="the clients' optimizer: sgd (momentum, "
                                               "weight_decay) or adam (betas, weight_decay; set momentum 0)")
