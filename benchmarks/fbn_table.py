@@ -1,6 +1,7 @@
 """Tables of the FBN experiments from their run folders (benchmarks/results/fbn/<preset>-<setting>/).
 
     python benchmarks/fbn_table.py            # markdown: final and best test accuracy per method and setting
+    python benchmarks/fbn_table.py --by-step benchmarks/results/fbn/fbn_mnistm-gamma0   # one setting, by step
 
 Each run folder holds every method of its preset for one setting (gamma, Dirichlet alpha, attack);
 a cell still running shows its last evaluated round, a diverged one (federation.on_divergence: record) the
@@ -16,21 +17,36 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent / "results" / "fbn"
 
 
+def test_by_round(cell: Path) -> dict[int, float]:
+    """Test accuracy (%) by evaluated round of one method's seed folder, mean over clients."""
+    metrics = cell / "metrics.jsonl"
+    by_round: dict[int, list[float]] = {}
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("split") == "test":
+                by_round.setdefault(record["round"], []).append(record["acc"])
+    return {r: 100 * sum(v) / len(v) for r, v in sorted(by_round.items())}
+
+
 def cell_numbers(cell: Path) -> tuple[float, float, int] | None:
     """(final, best, round of final) test accuracy (%) of one method's seed folder, mean over clients."""
-    metrics = cell / "metrics.jsonl"
-    if not metrics.exists():
+    means = test_by_round(cell)
+    if not means:
         return None
-    by_round: dict[int, list[float]] = {}
-    for line in metrics.read_text().splitlines():
-        record = json.loads(line)
-        if record.get("split") == "test":
-            by_round.setdefault(record["round"], []).append(record["acc"])
-    if not by_round:
-        return None
-    means = {r: 100 * sum(v) / len(v) for r, v in by_round.items()}
     last = max(means)
     return means[last], max(means.values()), last
+
+
+def by_step(run: Path) -> None:
+    """One setting's methods (rows) by evaluated step (columns)."""
+    curves = {seed_dir.parent.name: test_by_round(seed_dir) for seed_dir in sorted(run.glob("*/seed*"))}
+    steps = sorted({s for curve in curves.values() for s in curve})
+    print(f"{run.name} (test accuracy %, by step)\n")
+    print("| method | " + " | ".join(map(str, steps)) + " |")
+    print("|---" * (len(steps) + 1) + "|")
+    for method, curve in curves.items():
+        print(f"| {method} | " + " | ".join(f"{curve[s]:.2f}" if s in curve else "" for s in steps) + " |")
 
 
 def main(root: Path = ROOT) -> None:
@@ -58,4 +74,9 @@ def main(root: Path = ROOT) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT)
+    if len(sys.argv) > 2 and sys.argv[1] == "--by-step":
+        for folder in sys.argv[2:]:
+            by_step(Path(folder))
+            print()
+    else:
+        main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT)
