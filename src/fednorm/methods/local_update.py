@@ -69,7 +69,7 @@ class LocalTraining:
     weight_decay: float = 0.0
     drop_last: bool = False
     precision: str = "fp32"  # "bf16": autocast matmuls/convs to bfloat16 (AMX); weights stay fp32
-    # "pytorch": buf = mu buf + g (torch.optim.SGD); "ema": buf = mu buf + (1 - mu) g, the Polyak form of the
+    # "pytorch": buf = mu buf + g (torch.optim.SGD); "ema": buf = mu buf + (1 - mu) g from 0, the Polyak form of the
     # Byzantine-ML literature, which the FBN paper's client momentum 0.99 at lr 0.1 implies (extraction 1.5)
     momentum_style: str = "pytorch"
     # FBN Table 2's step schedule: lr / (1 + floor(round / lr_decay_every)) (0.1, 0.05, 0.033 every 1000 steps)
