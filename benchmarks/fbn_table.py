@@ -2,6 +2,7 @@
 
     python benchmarks/fbn_table.py            # markdown: final and best test accuracy per method and setting
     python benchmarks/fbn_table.py --by-step benchmarks/results/fbn/fbn_mnistm-gamma0   # one setting, by step
+    python benchmarks/fbn_table.py --robust 0.0    # robust FBN vs robust naive BN, every attack run at gamma 0
 
 Each run folder holds every method of its preset for one setting (gamma, Dirichlet alpha, attack);
 a cell still running shows its last evaluated round, a diverged one (federation.on_divergence: record) the
@@ -49,6 +50,45 @@ def by_step(run: Path) -> None:
         print(f"| {method} | " + " | ".join(f"{curve[s]:.2f}" if s in curve else "" for s in steps) + " |")
 
 
+ATTACKS = {"sf": "SF", "foe": "FOE", "alie": "ALIE"}
+DEFENSES = {"mean": "mean: no defense", "median-stats": "NNM + median (mean): `-stats`",
+            "trimmed-stats": "NNM + trimmed mean (mean): `-stats`", "median-all": "NNM + median (NNM + median): `-all`"}
+
+
+def _final_best(cell: Path) -> str:
+    numbers = cell_numbers(cell)
+    if numbers is None:
+        return ""
+    final, best, last = numbers
+    summary = cell / "summary.json"
+    diverged = json.loads(summary.read_text()).get("diverged") if summary.exists() else None
+    text = f"{final:.2f}" + (f" (best {best:.2f})" if best - final >= 0.5 else "")
+    if diverged:
+        text += f", diverged at step {diverged['round']}"
+    elif not summary.exists():
+        text += f" (at step {last}, running)"
+    return text
+
+
+def robust(gamma: str, root: Path = ROOT) -> None:
+    """Robust FBN against robust naive BN at one gamma: the no-attack cells of fbn_mnistm-gamma<gamma> and
+    every attack folder fbn_robust_mnistm-<attack>-gamma<gamma>[-suffix] (rows: attack x aggregation)."""
+    print(f"gamma = {gamma}, f = 3 of 10; test accuracy % at the last step (best over the run where >= 0.5 higher)\n")
+    print("| attack, aggregation of the statistics (parameters) | FBN | naive BN |\n| --- | --- | --- |")
+    clean = root / f"fbn_mnistm-gamma{gamma}"
+    print(f"| no attack, mean (mean) | {_final_best(clean / 'fbn' / 'seed0')} | "
+          f"{_final_best(clean / 'naive_bn' / 'seed0')} |")
+    for key, attack in ATTACKS.items():
+        folders = sorted(root.glob(f"fbn_robust_mnistm-{key}-gamma{gamma}")) + sorted(
+            root.glob(f"fbn_robust_mnistm-{key}-gamma{gamma}-*"))
+        for defense, label in DEFENSES.items():
+            fbn = [f / f"fbn-{defense}" / "seed0" for f in folders if (f / f"fbn-{defense}" / "seed0").exists()]
+            naive = [f / f"naive-{defense}" / "seed0" for f in folders if (f / f"naive-{defense}" / "seed0").exists()]
+            if fbn or naive:
+                print(f"| {attack}, {label} | {_final_best(fbn[0]) if fbn else ''} | "
+                      f"{_final_best(naive[0]) if naive else ''} |")
+
+
 def main(root: Path = ROOT) -> None:
     runs = sorted(p for p in root.iterdir() if (p / "config.yaml").exists())
     methods: list[str] = []
@@ -74,7 +114,9 @@ def main(root: Path = ROOT) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--by-step":
+    if len(sys.argv) == 3 and sys.argv[1] == "--robust":
+        robust(sys.argv[2])
+    elif len(sys.argv) > 2 and sys.argv[1] == "--by-step":
         for folder in sys.argv[2:]:
             by_step(Path(folder))
             print()
