@@ -25,11 +25,14 @@ def test_methods_lists_every_preset_with_one_line():
 
 def test_run_prints_the_per_client_table_and_report_reads_it(tmp_path):
     out = tmp_path / "run"
-    result = runner.invoke(app, ["run", *SETS, "--set", "federation.rounds=2", "--out", str(out), "--quiet"])
+    paper = ["--set", "paper={fedbn: {rendered/neon: 50.0}}", "--set", "paper_source=Example Table 9 for its own setting"]
+    result = runner.invoke(app, ["run", *SETS, *paper, "--set", "federation.rounds=2", "--out", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
     assert "fedbn" in result.output and "rendered/neon" in result.output and "rendered stand-in" in result.output
     result = runner.invoke(app, ["report", str(out), "--markdown"])
     assert result.exit_code == 0
+    # the paper row beside ours, and under the table what it is
+    assert "|   paper |  |  | 50.00 |  |" in result.output and "paper rows: Example Table 9 for its own setting" in result.output
     table = json.loads((out / "results.json").read_text())
     fedbn_avg = table["methods"]["fedbn"]["Avg"]["mean"]
     assert f"{fedbn_avg:.2f} (0.00)" in result.output

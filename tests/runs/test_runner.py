@@ -131,6 +131,9 @@ def test_real_digit_domains_run_end_to_end(tmp_path):
     assert origins == {"usps": "real", "semeion": "real", "rendered/synth": "rendered"}
     text = (tmp_path / "run" / "results.md").read_text()
     assert "paper" in text and "95.56" in text  # FedAvg's USPS number from FedBN Table 11 beside ours
+    # ... and says where the paper rows come from, since this run's overrides (2 rounds, 10 %) are not the paper's
+    assert "paper rows: FedBN Table 11, mean of 5 trials" in text
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["paper_source"] == cfg.paper_source
 
 
 def test_cross_device_run_evaluates_each_domain_once_with_the_global_model(tmp_path):

@@ -65,7 +65,7 @@ class _Progress:
 
 
 def _finish(run_dir: Path, results, config) -> None:
-    table = build_table([r.summary for r in results], paper=config.paper)
+    table = build_table([r.summary for r in results], paper=config.paper, paper_source=config.paper_source)
     _print_table(table, f"{config.name}: test {table.score_label} (%) after round {config.federation.rounds}, "
                         "mean (std) over seeds")
     console.print(f"run folder: {run_dir}  (results.md, comparison.png, <method>/seed<k>/metrics.jsonl)")
@@ -119,7 +119,7 @@ def report(
 ) -> None:
     """Mean (std) over seeds per client and on average, in the papers' table layout. Folders without a
     finished cell (a run still going, e.g. matched by a glob) are skipped with a warning."""
-    summaries, paper, unfinished = [], {}, []
+    summaries, paper, sources, unfinished = [], {}, [], []
     for d in run_dirs:
         if not d.exists():
             _fail(RunError(f"{d} does not exist"))
@@ -129,7 +129,10 @@ def report(
             continue
         summaries += found
         try:
-            paper.update(load_run_config(d).paper or {})
+            run_config = load_run_config(d)
+            paper.update(run_config.paper or {})
+            if run_config.paper and run_config.paper_source and run_config.paper_source not in sources:
+                sources.append(run_config.paper_source)
         except (RunError, ConfigError):
             pass
     if not summaries:
@@ -138,7 +141,7 @@ def report(
     for d in unfinished:
         console.print(f"[yellow]skipped {d}: no finished cell yet (`fednorm resume {d}` finishes it)[/yellow]")
     metric = "selected_acc" if selected else "best_acc" if best else "final_acc"
-    table = build_table(summaries, paper=paper or None, metric=metric)
+    table = build_table(summaries, paper=paper or None, metric=metric, paper_source="; ".join(sources) or None)
     which = "validation-selected" if selected else "best" if best else "final"
     if markdown:
         console.print(table.markdown(), highlight=False, markup=False)
@@ -345,7 +348,7 @@ def _flower_options(round_timeout: float, node_wait: float):
 def _flower_finish(run_dir: Path, cfg) -> None:
     summaries = read_summaries(run_dir)
     if summaries:
-        _print_table(build_table(summaries, paper=cfg.paper),
+        _print_table(build_table(summaries, paper=cfg.paper, paper_source=cfg.paper_source),
                      f"{cfg.name} on Flower: test accuracy (%) after round {cfg.federation.rounds}, mean (std) over seeds")
     console.print(f"run folder: {run_dir}  (results.md, <method>/seed<k>/metrics.jsonl, participation.jsonl)",
                   highlight=False)

@@ -355,6 +355,10 @@ class ExperimentConfig(_Strict):
         None, description="the paper's numbers for this preset: method -> domain -> accuracy (%) (Dice (%) for "
         "segmentation)"
     )
+    paper_source: str | None = Field(
+        None, description="where ``paper``'s numbers come from and for which setting (table, dataset, protocol); "
+        "printed under the results table, since overrides of a run never change what the paper measured"
+    )
 
     def task(self) -> Task:
         """The run's task: segmentation when the domains hold masks (prostate, nuclei), else classification

@@ -27,6 +27,7 @@ class ResultsTable:
     rows: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # method -> column -> per-seed acc
     seeds: dict[str, list[int]] = field(default_factory=dict)
     paper: dict[str, dict[str, float]] = field(default_factory=dict)
+    paper_source: str | None = None  # what the paper rows are (table, dataset, setting)
     metric: str = "final_acc"
     score: str = "accuracy"  # what the numbers are: the cells' task metric (accuracy, dice; "score" if mixed)
     diverged: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # method -> (seed, round) that diverged
@@ -59,6 +60,8 @@ class ResultsTable:
             }
         if self.paper:
             out["paper"] = self.paper
+            if self.paper_source:
+                out["paper_source"] = self.paper_source
         return out
 
     def text_rows(self) -> list[list[str]]:
@@ -83,6 +86,9 @@ class ResultsTable:
         if marked:
             notes.append(f"{DAGGER} rendered stand-in domain (procedurally drawn digits), not a real dataset: "
                          + ", ".join(marked))
+        if self.paper:
+            notes.append("paper rows: " + (self.paper_source or "the numbers the config quotes from its paper")
+                         + " (the paper's own setting: this run's overrides in config.yaml do not change them)")
         if self.diverged:
             cells = "; ".join(f"{m} seed {seed} at round {rnd}" for m, where in self.diverged.items()
                               for seed, rnd in where)
@@ -98,11 +104,12 @@ class ResultsTable:
         return "\n".join(lines) + (f"\n\n{note}\n" if note else "\n")
 
 
-def build_table(summaries: list[dict], paper: dict | None = None, metric: str = "final_acc") -> ResultsTable:
+def build_table(summaries: list[dict], paper: dict | None = None, metric: str = "final_acc",
+                paper_source: str | None = None) -> ResultsTable:
     """Combine cell summaries (any runs, any seeds) into one table, merging rows by method label."""
     columns: list[str] = []
     origins: dict[str, str] = {}
-    table = ResultsTable(columns=columns, origins=origins, metric=metric)
+    table = ResultsTable(columns=columns, origins=origins, metric=metric, paper_source=paper_source)
     scores = {s.get("metric", "accuracy") for s in summaries}  # summaries before tasks existed: accuracy
     table.score = scores.pop() if len(scores) == 1 else "score"
     for s in summaries:
@@ -144,7 +151,7 @@ def read_summaries(run_dir: Path) -> list[dict]:
 def write_run_report(run_dir: Path, config, results) -> ResultsTable:
     from .plots import plot_comparison, plot_diagnostics
 
-    table = build_table([r.summary for r in results], paper=config.paper)
+    table = build_table([r.summary for r in results], paper=config.paper, paper_source=config.paper_source)
     title = f"# {config.name}\n\n{config.description}\n\nTest {table.score_label} (%) after round " \
             f"{config.federation.rounds}, mean (std) over seeds.\n\n"
     (Path(run_dir) / "results.md").write_text(title + table.markdown())
