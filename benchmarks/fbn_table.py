@@ -2,7 +2,7 @@
 
     python benchmarks/fbn_table.py            # markdown: final and best test accuracy per method and setting
     python benchmarks/fbn_table.py --by-step benchmarks/results/fbn/fbn_mnistm-gamma0   # one setting, by step
-    python benchmarks/fbn_table.py --robust 0.0    # robust FBN vs robust naive BN, every attack run at gamma 0
+    python benchmarks/fbn_table.py --robust 0      # robust FBN vs robust naive BN at gamma 0 (the folder suffix: 0, 0.01, 0.1, 1)
 
 Each run folder holds every method of its preset for one setting (gamma, Dirichlet alpha, attack);
 a cell still running shows its last evaluated round, a diverged one (federation.on_divergence: record) the
