@@ -95,6 +95,15 @@ def test_same_seed_same_numbers_and_seeds_differ(tmp_path):
     assert read(tmp_path / "a", 0) != read(tmp_path / "a", 1)
 
 
+def test_keeping_freed_memory_changes_no_number(tmp_path):
+    """federation.reuse_freed_memory only changes where memory comes from: the metrics are identical."""
+    read = lambda d: (d / "fedbn" / "seed0" / "metrics.jsonl").read_text()  # noqa: E731
+    for setting in ("false", "true"):
+        start_run(tiny_config("methods=[fedbn]", "federation.rounds=2",
+                              f"federation.reuse_freed_memory={setting}"), tmp_path / setting)
+    assert read(tmp_path / "false") == read(tmp_path / "true")
+
+
 def test_centralized_trains_one_model_and_reports_every_domain(tmp_path):
     cfg = tiny_config("methods=[centralized, singleset]", "federation.rounds=2")
     start_run(cfg, tmp_path / "run")

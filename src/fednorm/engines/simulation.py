@@ -25,6 +25,7 @@ from ..methods.local_update import LocalResult, LocalTraining, batch_schedule, h
 from ..methods.policy import local_state_keys
 from ..methods.presets import Method
 from ..methods.external import EXTERNAL_MODES, ExternalBN, evaluate_external
+from .allocator import reuse_freed_memory
 from .client_step import ClientMemory, ClientRunner, RoundInstructions, update_input_state
 from ..methods.server import ClientReply, LocalSchedule, ServerUpdate, Threat
 from ..models.fbn import federated_bn_layers
@@ -49,6 +50,8 @@ class Federation:
     persistent_optimizer: bool = False  # keep each client's optimizer state (momentum) across rounds
     eval_batch_size: int = 500
     channels_last: bool = True
+    # keep freed blocks in the process (glibc mallopt, process-wide): no fresh pages per step, :mod:`.allocator`
+    reuse_freed_memory: bool = True
     # cross-device FL: clients are anonymous devices that keep nothing between rounds
     stateless_clients: bool = False
     rounds: int | None = None  # total rounds of the run, for methods with a phase switch (FixBN)
@@ -101,6 +104,7 @@ class InProcessEngine:
         names = [c.name for c in clients]
         if len(set(names)) != len(names):
             raise ValueError(f"client names must be unique, got {names}")
+        reuse_freed_memory(federation.reuse_freed_memory)
         self.model = model.to(memory_format=torch.channels_last) if federation.channels_last else model
         self.clients = clients
         self.eval_clients = eval_clients if eval_clients is not None else clients

@@ -164,6 +164,7 @@ def build_engine(
         weighting=f.weighting,
         persistent_optimizer=f.persistent_optimizer,
         channels_last=f.channels_last and not features,
+        reuse_freed_memory=f.reuse_freed_memory,
         eval_batch_size=f.eval_batch_size,
         stateless_clients=cross_device,
         rounds=f.rounds,
