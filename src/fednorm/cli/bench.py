@@ -89,7 +89,8 @@ def print_result(result: dict) -> None:
     load = m.get("load_average") or []
     console.print(
         f"[bold]{c['name']}[/] {c['method']} seed {c['seed']}: {c['model']} ({c['norm']}), batch {c['batch_size']}, "
-        f"{c['precision']}{', channels_last' if c['channels_last'] else ''} | {m['cpu_model']}, "
+        f"{c['precision']}{', channels_last' if c['channels_last'] else ''}"
+        f"{', reuse_freed_memory' if c.get('reuse_freed_memory') else ''} | {m['cpu_model']}, "
         f"{m['cpu_capability']}, native bf16 {m['native_bf16']}, {m['torch_threads']} threads, "
         f"load {' '.join(f'{x:.2f}' for x in load)}", highlight=False, soft_wrap=True)
     if "speed" in result:

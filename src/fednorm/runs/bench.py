@@ -621,6 +621,7 @@ def run_bench(config: ExperimentConfig, *, source: str | None = None, overrides:
             "norm": method_cfg.build().norm or config.model.norm, "batch_size": training.batch_size,
             "precision": training.precision,
             "precision_requested": config.training.precision, "channels_last": config.federation.channels_last,
+            "reuse_freed_memory": config.federation.reuse_freed_memory,
             "domains": list(config.data.domains), "setting": config.federation.setting,
             "fraction": config.federation.fraction, "eval_every": config.federation.eval_every,
             "checkpoint_every": config.federation.checkpoint_every,
