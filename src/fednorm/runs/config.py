@@ -281,8 +281,8 @@ class FederationConfig(_Strict):
     channels_last: bool = True
     reuse_freed_memory: bool = Field(
         True, description="keep freed memory in the process (glibc: no mmap, no trim), so each step reuses the "
-        "last step's gradient buffers instead of page-faulting fresh ones; same results, up to 1.6x faster for "
-        "large linear layers at small batches; resident memory stays at its peak")
+        "last step's gradient buffers instead of page-faulting fresh ones; same results, 1.3-1.9x faster steps here "
+        "for large linear layers (benchmarks/performance.md); resident memory stays at its peak")
     eval_batch_size: int = Field(500, ge=1, description="samples per evaluation batch (lower it for large images: "
                                  "a 384 x 384 U-Net)")
     setting: Literal["cross_silo", "cross_device"] = Field(
