@@ -3,12 +3,17 @@
 # rendered stand-ins for SVHN / SynthDigits. One run folder per (method, seed), so partial results are
 # usable and `fednorm report` merges them; re-running the script resumes unfinished cells.
 # precision auto: bf16 autocast where the CPU has AMX / AVX512-BF16, else fp32; PRECISION=fp32 for the paper's numerics.
+# EXTRA adds --set overrides, e.g. the fast-path accuracy check of performance.md:
+#   OUT=benchmarks/results/fastpath_accuracy/eager PRECISION=fp32 CELLS="fedbn:0 fedbn:1 fedbn:2" \
+#     EXTRA="--set federation.rounds=50 --set federation.channels_last=false" bash benchmarks/fedbn_digits.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/fedbn_digits}
 DATA=${DATA:-../shared/data}
 PRECISION=${PRECISION:-auto}
 CELLS=${CELLS:-"fedbn:0 fedavg:0 singleset:0 fedprox:0 fedbn:1 fedavg:1 fedbn:2 fedavg:2"}
+EXTRA=${EXTRA:-}
+mkdir -p "$OUT"
 for cell in $CELLS; do
   method=${cell%%:*}; seed=${cell##*:}
   dir="$OUT/$method-seed$seed"
@@ -17,7 +22,7 @@ for cell in $CELLS; do
     .venv/bin/fednorm resume "$dir" --data-dir "$DATA" --quiet
   else
     .venv/bin/fednorm run fedbn_digits --data-dir "$DATA" --set "methods=[$method]" --set "seeds=[$seed]" \
-      --set "training.precision=$PRECISION" --out "$dir" --quiet
+      --set "training.precision=$PRECISION" $EXTRA --out "$dir" --quiet
   fi
   echo "$method seed $seed: $(( $(date +%s) - start )) s wall" | tee -a "$OUT/wall_times.txt"
 done

@@ -46,6 +46,40 @@ def test_run_prints_the_per_client_table_and_report_reads_it(tmp_path):
     assert result.exit_code == 2 and "no finished cell" in result.output
 
 
+def table_row(markdown: str, label: str) -> list[str]:
+    """The cells of the markdown table row labelled ``label``."""
+    line = next(line for line in markdown.splitlines() if line.startswith(f"| {label} |"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_report_split_by_a_config_key_keeps_runs_that_differ_in_it_apart(tmp_path):
+    # two runs of the same method and seed that differ in one setting (the fast-path accuracy check's shape)
+    for name, lr in (("slow", "0.01"), ("fast", "0.03")):
+        result = runner.invoke(app, ["run", *SETS, "--set", "methods=[fedbn]",
+                                     "--set", f"training.lr={lr}", "--out", str(tmp_path / name), "--quiet"])
+        assert result.exit_code == 0, result.output
+    accs = {name: json.loads((tmp_path / name / "results.json").read_text())["methods"]["fedbn"]["Avg"]["mean"]
+            for name in ("slow", "fast")}
+    assert accs["slow"] != accs["fast"]
+    both = [str(tmp_path / "slow"), str(tmp_path / "fast")]
+    # merged by label, the second run's seed 0 is dropped: the report says so and which key differs
+    merged = runner.invoke(app, ["report", *both, "--markdown"], terminal_width=400)
+    assert merged.exit_code == 0, merged.output
+    assert "differ in training.lr" in merged.output and "--split-by training.lr" in merged.output
+    row = table_row(merged.output, "fedbn")
+    assert row[1] == "1" and row[-1] == f"{accs['slow']:.2f} (0.00)"
+    # split by it, each run is its own row with its own number
+    split = runner.invoke(app, ["report", *both, "--markdown", "--split-by", "training.lr"], terminal_width=400)
+    assert split.exit_code == 0, split.output
+    assert "differ in" not in split.output
+    for lr, name in (("0.01", "slow"), ("0.03", "fast")):
+        row = table_row(split.output, f"fedbn [lr={lr}]")
+        assert row[1] == "1" and row[-1] == f"{accs[name]:.2f} (0.00)"
+    # an unknown key names the near ones
+    bad = runner.invoke(app, ["report", *both, "--split-by", "lr"], terminal_width=400)
+    assert bad.exit_code == 2 and "training.lr" in bad.output
+
+
 def test_bad_config_exits_with_a_clear_message(tmp_path):
     result = runner.invoke(app, ["run", "--set", "training.lrr=0.1", "--out", str(tmp_path / "r")])
     assert result.exit_code == 2

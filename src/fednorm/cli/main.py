@@ -16,8 +16,8 @@ from ..data.domain import DataError
 from ..methods.aggregation import UpdateError
 from ..methods.presets import PRESETS
 from ..runs.config import ConfigError, load_config, preset_names
-from ..runs.report import ResultsTable, build_table, read_summaries
-from ..runs.runner import RunError, load_run_config, resume_run, start_run
+from ..runs.report import ResultsTable, build_table, config_differences, read_summaries, split_label
+from ..runs.runner import RunError, find_run_config, load_run_config, resume_run, start_run
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -116,10 +116,14 @@ def report(
     selected: bool = typer.Option(False, "--selected", help="test accuracy at the round of the best mean "
                                   "validation accuracy (model selection, UniFed; needs validation data)"),
     markdown: bool = typer.Option(False, "--markdown", help="print a markdown table"),
+    split_by: Optional[str] = typer.Option(None, "--split-by", help="a config key (e.g. federation.channels_last): "
+                                           "one row per method and value of that key, to compare runs that differ "
+                                           "in it (otherwise a (method, seed) found twice counts once)"),
 ) -> None:
     """Mean (std) over seeds per client and on average, in the papers' table layout. Folders without a
     finished cell (a run still going, e.g. matched by a glob) are skipped with a warning."""
     summaries, paper, sources, unfinished = [], {}, [], []
+    seen: dict[tuple[str, int], tuple[Path, object]] = {}  # (row, seed) -> the folder and config it came from
     for d in run_dirs:
         if not d.exists():
             _fail(RunError(f"{d} does not exist"))
@@ -127,14 +131,35 @@ def report(
         if not found:
             unfinished.append(d)
             continue
-        summaries += found
         try:
-            run_config = load_run_config(d)
-            paper.update(run_config.paper or {})
-            if run_config.paper and run_config.paper_source and run_config.paper_source not in sources:
+            run_config = find_run_config(d)
+        except (RunError, ConfigError) as exc:
+            if split_by:
+                _fail(exc)
+            run_config = None
+        if split_by:
+            if run_config is None:
+                _fail(RunError(f"{d}: --split-by reads each run's config.yaml, and this folder has none above it; "
+                               f"give the run folder that `fednorm run --out` made"))
+            try:
+                found = [dict(s, method=split_label(s["method"], split_by, run_config)) for s in found]
+            except KeyError as exc:
+                _fail(ConfigError(exc.args[0]))
+        for s in found:
+            first = seen.setdefault((s["method"], s["seed"]), (d, run_config))
+            differ = config_differences(first[1], run_config) if first[0] != d and first[1] and run_config else []
+            if differ:
+                console.print(f"[yellow]{s['method']} seed {s['seed']} is in {first[0]} and in {d}, whose configs "
+                              f"differ in {', '.join(differ)}: counted once, from {first[0]}; "
+                              f"`--split-by {differ[0]}` gives each its own row[/yellow]")
+        summaries += found
+        if run_config is not None:
+            numbers = run_config.paper or {}
+            if split_by:  # the paper's row of a method goes under each of its split rows
+                numbers = {split_label(m, split_by, run_config): v for m, v in numbers.items()}
+            paper.update(numbers)
+            if numbers and run_config.paper_source and run_config.paper_source not in sources:
                 sources.append(run_config.paper_source)
-        except (RunError, ConfigError):
-            pass
     if not summaries:
         _fail(RunError(f"{', '.join(map(str, unfinished))}: no finished cell (no summary.json); "
                        f"finish a run with `fednorm resume DIR`"))

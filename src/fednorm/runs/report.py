@@ -142,6 +142,45 @@ def build_table(summaries: list[dict], paper: dict | None = None, metric: str = 
     return table
 
 
+# Config keys that differ between the cells of one study without changing what a cell computes.
+_NOT_A_SETTING = ("name", "description", "seeds", "methods", "paper", "paper_source", "data.data_dir")
+
+
+def flat_config(config) -> dict[str, object]:
+    """An ExperimentConfig (or its dump) as dotted key -> value, e.g. ``federation.rounds -> 50``."""
+    flat: dict[str, object] = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict) and node:
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        else:
+            flat[prefix[:-1]] = node
+
+    walk(config if isinstance(config, dict) else config.model_dump(), "")
+    return flat
+
+
+def config_differences(a, b) -> list[str]:
+    """The dotted keys whose values differ between two run configs (settings only, see _NOT_A_SETTING)."""
+    fa, fb = flat_config(a), flat_config(b)
+    keys = [k for k in dict.fromkeys([*fa, *fb])
+            if not any(k == n or k.startswith(n + ".") for n in _NOT_A_SETTING)]
+    return [k for k in keys if fa.get(k) != fb.get(k)]
+
+
+def split_label(method: str, key: str, config) -> str:
+    """The row label of ``method`` in a table split by config ``key``: ``fedbn [channels_last=false]``."""
+    flat = flat_config(config)
+    if key not in flat:
+        near = [k for k in flat if k.endswith("." + key) or k.startswith(key + ".")]
+        raise KeyError(f"--split-by {key}: not a config key" + (f" (did you mean {', '.join(near[:5])}?)" if near else
+                       " (keys look like federation.rounds, training.lr, model.norm)"))
+    value = flat[key]
+    shown = str(value).lower() if isinstance(value, bool) or value is None else value
+    return f"{method} [{key.rsplit('.', 1)[-1]}={shown}]"
+
+
 def read_summaries(run_dir: Path) -> list[dict]:
     """Every finished cell summary under ``run_dir`` (a run folder or a single cell folder)."""
     paths = sorted(Path(run_dir).glob(f"**/{store.SUMMARY_FILE}"))

@@ -431,6 +431,14 @@ def load_run_config(run_dir: Path) -> ExperimentConfig:
     return validate(yaml.safe_load(path.read_text()) or {}, source=str(path))
 
 
+def find_run_config(path: Path) -> ExperimentConfig | None:
+    """The config of the run that ``path`` (a run folder or a cell folder inside one) belongs to, or None."""
+    for folder in [Path(path), *Path(path).parents][:4]:  # run / method / seed: a cell is two levels down
+        if (folder / store.CONFIG_FILE).exists():
+            return load_run_config(folder)
+    return None
+
+
 def run_data_dir(run_dir: Path, config: ExperimentConfig, data_dir: str | None = None) -> Path | None:
     """The data folder of an existing run: ``data_dir``, else the config's, else the one the run recorded
     (None when the run needs no data folder)."""
