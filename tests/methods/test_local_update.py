@@ -161,3 +161,16 @@ def test_ema_client_momentum_starts_from_zero_and_carries_over_rounds():
                 p.sub_(lr * m)
         for a, b in zip(model.parameters(), check.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_auto_precision_follows_the_cpu_that_trains_not_a_gpu_in_the_machine(monkeypatch):
+    from fednorm.methods import local_update
+
+    # training runs under torch.autocast("cpu"): a bf16-capable GPU must not make `auto` pick emulated bf16
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    for amx, avx512_bf16, expected in ((False, False, "fp32"), (True, False, "bf16"), (False, True, "bf16")):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
+        assert local_update.resolve_precision("auto") == expected
+    assert local_update.resolve_precision("fp32") == "fp32"

@@ -43,9 +43,8 @@ def native_bf16() -> bool:
 
     Without it, PyTorch emulates bf16 autocast on the CPU, which is slower than fp32 (20-30x for
     the digit CNN on an AVX2-only AMD EPYC, measured), so ``precision: auto`` picks fp32 there.
+    Training runs on the CPU (``torch.autocast("cpu")``), so a GPU in the machine does not count.
     """
-    if torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported()
     probes = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
     return any(p() for p in probes if p is not None)
 
