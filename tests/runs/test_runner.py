@@ -1,4 +1,5 @@
 import json
+import warnings
 
 import pytest
 import torch
@@ -298,3 +299,16 @@ def test_a_diverged_cell_stops_the_run_or_is_recorded_and_the_grid_goes_on(tmp_p
     assert f"| fedavg-lr1e9{DIVERGED} |" in text and f"fedavg-lr1e9 seed 0 at round {at}" in text
     # a resume keeps the recorded outcome instead of retraining into the same NaN
     assert resume_run(tmp_path / "run")[0].summary["diverged"] == bad.summary["diverged"]
+
+
+@pytest.mark.parametrize("setting, precision, expected", [("auto", "fp32", False), ("auto", "bf16", True),
+                                                          ("true", "fp32", True)])
+def test_channels_last_setting_reaches_the_engine(setting, precision, expected):
+    from fednorm.runs.runner import build_engine, build_federation_data
+
+    config = tiny_config(f"federation.channels_last={setting}", f"training.precision={precision}")
+    assert tiny_config().federation.channels_last == "auto"  # the default
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # bf16 without native support warns; only built here
+        engine = build_engine(config, config.methods[0], 0, build_federation_data(config, None))
+    assert engine.federation.channels_last is expected

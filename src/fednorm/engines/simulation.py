@@ -49,7 +49,8 @@ class Federation:
     weighting: str = "samples"  # aggregation weights: "samples" (n_k / n) or "uniform" (1 / K)
     persistent_optimizer: bool = False  # keep each client's optimizer state (momentum) across rounds
     eval_batch_size: int = 500
-    channels_last: bool = True
+    # NHWC activations and weights; None: on only where training runs in bf16 (resolve_channels_last)
+    channels_last: bool | None = None
     # keep freed blocks in the process (glibc mallopt, process-wide): no fresh pages per step, :mod:`.allocator`
     reuse_freed_memory: bool = True
     # cross-device FL: clients are anonymous devices that keep nothing between rounds
@@ -81,6 +82,16 @@ def _without(data: Split, index: torch.Tensor) -> Split:
     return data.subset(keep.nonzero().flatten())
 
 
+def resolve_channels_last(channels_last: bool | None, precision: str) -> bool:
+    """The memory format a run uses: as set, or (None, ``auto``) channels_last only for bf16 training.
+
+    oneDNN's fast bf16 convolutions (AMX) want NHWC. In fp32, channels_last is no faster on the AVX2 CPU
+    measured here and less precise: its BatchNorm and convolution backward kernels are 4-20x further from
+    float64 than the NCHW ones (benchmarks/performance.md, "channels_last in fp32"), so fp32 stays NCHW.
+    """
+    return precision == "bf16" if channels_last is None else bool(channels_last)
+
+
 class InProcessEngine:
     """Runs a :class:`Method` over clients, one round at a time, in this process."""
 
@@ -105,6 +116,8 @@ class InProcessEngine:
         if len(set(names)) != len(names):
             raise ValueError(f"client names must be unique, got {names}")
         reuse_freed_memory(federation.reuse_freed_memory)
+        federation = replace(federation, channels_last=resolve_channels_last(federation.channels_last,
+                                                                             training.precision))
         self.model = model.to(memory_format=torch.channels_last) if federation.channels_last else model
         self.clients = clients
         self.eval_clients = eval_clients if eval_clients is not None else clients

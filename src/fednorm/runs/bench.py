@@ -49,6 +49,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..data.domain import ClientData, Split
 from ..data.federation import is_rendered
+from ..engines.simulation import resolve_channels_last
 from ..methods.local_update import LocalTraining, batch_schedule, build_optimizer, has_batchnorm, native_bf16
 from . import store
 from .config import ExperimentConfig, MethodConfig, load_config, validate
@@ -620,7 +621,10 @@ def run_bench(config: ExperimentConfig, *, source: str | None = None, overrides:
             "method": method_cfg.display, "seed": seed, "model": config.model.name,
             "norm": method_cfg.build().norm or config.model.norm, "batch_size": training.batch_size,
             "precision": training.precision,
-            "precision_requested": config.training.precision, "channels_last": config.federation.channels_last,
+            "precision_requested": config.training.precision,
+            "channels_last": resolve_channels_last(None if config.federation.channels_last == "auto"
+                                                   else config.federation.channels_last, training.precision),
+            "channels_last_requested": config.federation.channels_last,
             "reuse_freed_memory": config.federation.reuse_freed_memory,
             "domains": list(config.data.domains), "setting": config.federation.setting,
             "fraction": config.federation.fraction, "eval_every": config.federation.eval_every,

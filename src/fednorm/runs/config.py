@@ -278,7 +278,9 @@ class FederationConfig(_Strict):
     persistent_optimizer: bool = False
     eval_every: int = Field(1, ge=1)
     checkpoint_every: int = Field(1, ge=1)
-    channels_last: bool = True
+    channels_last: bool | Literal["auto"] = Field(
+        "auto", description="NHWC memory format; auto: on where training runs in bf16 (AMX convolutions want it), "
+        "off in fp32, where it was no faster here and its BN / conv backward less precise (benchmarks/performance.md)")
     reuse_freed_memory: bool = Field(
         True, description="keep freed memory in the process (glibc: no mmap, no trim), so each step reuses the "
         "last step's gradient buffers instead of page-faulting fresh ones; same results, 1.3-1.9x faster steps here "

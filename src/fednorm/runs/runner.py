@@ -163,7 +163,7 @@ def build_engine(
         fraction=f.fraction,
         weighting=f.weighting,
         persistent_optimizer=f.persistent_optimizer,
-        channels_last=f.channels_last and not features,
+        channels_last=False if features else None if f.channels_last == "auto" else f.channels_last,
         reuse_freed_memory=f.reuse_freed_memory,
         eval_batch_size=f.eval_batch_size,
         stateless_clients=cross_device,
