@@ -86,7 +86,8 @@ def test_a_killed_supernode_is_left_out_and_the_run_finishes(tmp_path):
 def test_simulation_runtime_equals_in_process(tmp_path):
     config = tiny_config("federation.rounds=2", "federation.eval_every=2")
     start_run(config, tmp_path / "in_process")
-    simulate(config, tmp_path / "flower", options=FlowerOptions(round_timeout=120, node_wait=60))
+    # Ray starts the simulated nodes; on a loaded 2-core machine that took over 60 s (a deadline, not a sleep)
+    simulate(config, tmp_path / "flower", options=FlowerOptions(round_timeout=120, node_wait=300))
     assert_same_metrics(metrics(tmp_path / "flower"), metrics(tmp_path / "in_process"))
 
 
