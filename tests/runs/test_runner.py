@@ -312,3 +312,12 @@ def test_channels_last_setting_reaches_the_engine(setting, precision, expected):
         warnings.simplefilter("ignore", RuntimeWarning)  # bf16 without native support warns; only built here
         engine = build_engine(config, config.methods[0], 0, build_federation_data(config, None))
     assert engine.federation.channels_last is expected
+
+
+def test_run_info_records_the_resolved_precision_and_layout(tmp_path):
+    # config.yaml keeps `auto`; run.json says what it became on this machine
+    start_run(tiny_config("federation.rounds=1", "methods=[fedavg]", "training.precision=fp32"), tmp_path / "a")
+    info = json.loads((tmp_path / "a" / "run.json").read_text())
+    assert info["precision"] == "fp32" and info["channels_last"] is False
+    start_run(tiny_config("federation.rounds=1", "methods=[fedavg]", "federation.channels_last=true"), tmp_path / "b")
+    assert json.loads((tmp_path / "b" / "run.json").read_text())["channels_last"] is True
