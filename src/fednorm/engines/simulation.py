@@ -21,7 +21,8 @@ from torch import nn
 from ..data.domain import ClientData, Split
 from ..diagnostics.gradients import Dissimilarity, dissimilarity, full_gradient
 from ..methods.aggregation import client_weights
-from ..methods.local_update import LocalResult, LocalTraining, batch_schedule, has_batchnorm, train_locally
+from ..methods.local_update import (LocalResult, LocalTraining, batch_schedule, has_batchnorm, resolve_channels_last,
+                                   train_locally)
 from ..methods.policy import local_state_keys
 from ..methods.presets import Method
 from ..methods.external import EXTERNAL_MODES, ExternalBN, evaluate_external
@@ -80,16 +81,6 @@ def _without(data: Split, index: torch.Tensor) -> Split:
     keep = torch.ones(len(data), dtype=torch.bool)
     keep[index] = False
     return data.subset(keep.nonzero().flatten())
-
-
-def resolve_channels_last(channels_last: bool | None, precision: str) -> bool:
-    """The memory format a run uses: as set, or (None, ``auto``) channels_last only for bf16 training.
-
-    oneDNN's fast bf16 convolutions (AMX) want NHWC. In fp32, channels_last is no faster on the AVX2 CPU
-    measured here and less precise: its BatchNorm and convolution backward kernels are 4-20x further from
-    float64 than the NCHW ones (benchmarks/performance.md, "channels_last in fp32"), so fp32 stays NCHW.
-    """
-    return precision == "bf16" if channels_last is None else bool(channels_last)
 
 
 class InProcessEngine:

@@ -56,6 +56,16 @@ def resolve_precision(precision: str) -> str:
     return precision
 
 
+def resolve_channels_last(channels_last: bool | None, precision: str) -> bool:
+    """The memory format a run uses: as set, or (None, ``auto``) channels_last only for bf16 training.
+
+    oneDNN's fast bf16 convolutions (AMX) want NHWC. In fp32, channels_last is no faster on the AVX2 CPU
+    measured here and less precise: its BatchNorm kernels are 10-30x and its convolutions' input gradient
+    3x further from float64 than the NCHW ones (benchmarks/performance.md, "channels_last in fp32"), so fp32 stays NCHW.
+    """
+    return precision == "bf16" if channels_last is None else bool(channels_last)
+
+
 @dataclass(frozen=True)
 class LocalTraining:
     """Hyper-parameters of a client's local SGD."""

@@ -49,7 +49,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..data.domain import ClientData, Split
 from ..data.federation import is_rendered
-from ..engines.simulation import resolve_channels_last
 from ..methods.local_update import LocalTraining, batch_schedule, build_optimizer, has_batchnorm, native_bf16
 from . import store
 from .config import ExperimentConfig, MethodConfig, load_config, validate
@@ -622,8 +621,7 @@ def run_bench(config: ExperimentConfig, *, source: str | None = None, overrides:
             "norm": method_cfg.build().norm or config.model.norm, "batch_size": training.batch_size,
             "precision": training.precision,
             "precision_requested": config.training.precision,
-            "channels_last": resolve_channels_last(None if config.federation.channels_last == "auto"
-                                                   else config.federation.channels_last, training.precision),
+            "channels_last": config.federation.channels_last_for(training.precision),
             "channels_last_requested": config.federation.channels_last,
             "reuse_freed_memory": config.federation.reuse_freed_memory,
             "domains": list(config.data.domains), "setting": config.federation.setting,

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..data.federation import check_domain, check_medical_options, domain_task, image_size, num_classes, parse_domain
 from ..methods.aggregation import WEIGHTINGS
-from ..methods.local_update import LocalTraining, native_bf16, resolve_precision
+from ..methods.local_update import LocalTraining, native_bf16, resolve_channels_last, resolve_precision
 from ..methods.policy import POLICIES
 from ..methods.presets import PRESETS, Method, resolve_method
 from ..methods.robust import ATTACKS
@@ -299,6 +299,11 @@ class FederationConfig(_Strict):
         "stop", description="when a client's loss or update turns NaN/inf: stop the run with an error (stop), or "
         "end only that cell, evaluate the server's last finite model, mark the cell diverged and go on with the "
         "next cell (record: for grids where divergence is an outcome, e.g. attacks without defense)")
+
+    def channels_last_for(self, precision: str) -> bool:
+        """The memory format this setting gives for training ``precision`` (``auto`` resolved)."""
+        return resolve_channels_last(None if self.channels_last == "auto" else self.channels_last,
+                                     resolve_precision(precision))
 
 
 class ExternalConfig(_Strict):

@@ -26,7 +26,7 @@ from ..methods.aggregation import DivergenceError
 from ..methods.server import Threat
 from ..methods.local_update import resolve_precision
 from ..methods.tasks import prepare_features
-from ..engines.simulation import Federation, InProcessEngine, derive_seed, resolve_channels_last
+from ..engines.simulation import Federation, InProcessEngine, derive_seed
 from . import store
 from .config import ExperimentConfig, MethodConfig, validate
 
@@ -163,7 +163,7 @@ def build_engine(
         fraction=f.fraction,
         weighting=f.weighting,
         persistent_optimizer=f.persistent_optimizer,
-        channels_last=False if features else None if f.channels_last == "auto" else f.channels_last,
+        channels_last=False if features else f.channels_last_for(config.training.precision),
         reuse_freed_memory=f.reuse_freed_memory,
         eval_batch_size=f.eval_batch_size,
         stateless_clients=cross_device,
@@ -351,9 +351,8 @@ def _write_run_info(run_dir: Path, data_dir: Path | None, config: ExperimentConf
         "data_dir": str(data_dir) if data_dir else None,
         "fednorm_version": __import__("fednorm").__version__,
         "precision": resolve_precision(config.training.precision),  # what `auto` became on this machine
-        "channels_last": resolve_channels_last(  # likewise the memory format (image models; feature MLPs: none)
-            None if config.federation.channels_last == "auto" else config.federation.channels_last,
-            resolve_precision(config.training.precision)),
+        # likewise the memory format (of image models; feature-vector MLPs have none)
+        "channels_last": config.federation.channels_last_for(config.training.precision),
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     })
