@@ -163,7 +163,7 @@ def test_ema_client_momentum_starts_from_zero_and_carries_over_rounds():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_auto_precision_follows_the_cpu_that_trains_not_a_gpu_in_the_machine(monkeypatch):
+def test_auto_precision_follows_the_device_that_trains_not_another_in_the_machine(monkeypatch):
     from fednorm.methods import local_update
 
     # training runs under torch.autocast("cpu"): a bf16-capable GPU must not make `auto` pick emulated bf16
@@ -174,3 +174,7 @@ def test_auto_precision_follows_the_cpu_that_trains_not_a_gpu_in_the_machine(mon
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
         assert local_update.resolve_precision("auto") == expected
     assert local_update.resolve_precision("fp32") == "fp32"
+    # on a GPU, the GPU's bf16 decides (tests/engines/test_device.py)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert local_update.resolve_precision("auto", "cuda") == "fp32"

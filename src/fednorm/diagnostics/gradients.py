@@ -55,7 +55,7 @@ def full_gradient(model: nn.Module, data: Split, task: Task, prepare: Callable[[
         starts.pop()  # a trailing batch of one sample joins the previous one (BN batch statistics need two)
     for start, stop in zip(starts, starts[1:] + [n]):
         x = prepare(data.x[start:stop])
-        y = task.target(data.y[start:stop])
+        y = task.target(data.y[start:stop]).to(x.device)
         loss = task.loss(model(x), y) * ((stop - start) / n)
         loss.backward()
     grads = [params[k].grad if params[k].grad is not None else torch.zeros_like(params[k]) for k in names]
@@ -69,7 +69,7 @@ def dissimilarity(gradients: list[torch.Tensor], weights: list[float]) -> Dissim
     if len(gradients) != len(weights) or not gradients:
         raise ValueError(f"need one weight per gradient, got {len(gradients)} gradients and {len(weights)} weights")
     g = torch.stack([t.double() for t in gradients])
-    p = torch.tensor(weights, dtype=torch.float64)
+    p = torch.tensor(weights, dtype=torch.float64, device=g.device)
     p = p / p.sum()
     grad_sq_mean = float((p * g.square().sum(dim=1)).sum())
     global_grad_sq = float((p[:, None] * g).sum(dim=0).square().sum())

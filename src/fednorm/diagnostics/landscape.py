@@ -32,7 +32,7 @@ def filter_normalized_direction(reference: dict[str, torch.Tensor], generator: t
         if w.dim() <= 1:
             direction[name] = torch.zeros_like(w)
             continue
-        d = torch.randn(w.shape, generator=generator, dtype=w.dtype)
+        d = torch.randn(w.shape, generator=generator, dtype=w.dtype).to(w.device)  # CPU stream on any device
         d_norm = d.reshape(d.shape[0], -1).norm(dim=1).clamp_min(1e-12)
         w_norm = w.reshape(w.shape[0], -1).norm(dim=1)
         direction[name] = d * (w_norm / d_norm).reshape(-1, *([1] * (w.dim() - 1)))

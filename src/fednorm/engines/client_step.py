@@ -22,6 +22,7 @@ from ..methods.local_update import LocalResult, LocalTraining, train_locally
 from ..methods.presets import Method
 from ..methods.server import ClientReply
 from ..models.fbn import federated_bn_layers, set_federation_size
+from .device import to_device
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,14 @@ class ClientRunner:
     def __init__(self, model: nn.Module, method: Method, training: LocalTraining, local_keys, shared_keys: list[str],
                  prepare: Callable[[torch.Tensor], torch.Tensor], persistent_optimizer: bool = False,
                  algorithm: ClientAlgorithm | None = None,
-                 layout: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """``prepare`` turns a uint8 batch into the model input; ``layout`` (channels_last) is applied after
-        it, and after the amplitude normalization that replaces ``prepare`` for HarmoFL's methods."""
+                 place: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """``prepare`` turns a uint8 batch into the model input; ``place`` (the model's device and memory
+        format) is applied after it, and after the amplitude normalization that replaces ``prepare`` for
+        HarmoFL's methods (which runs on the host)."""
         self.model, self.method, self.training = model, method, training
-        self.layout = layout or (lambda x: x)
-        self.prepare = lambda x: self.layout(prepare(x))
+        self.device = next(model.parameters()).device
+        self.place = place or (lambda x: x.to(self.device))
+        self.prepare = lambda x: self.place(prepare(x))
         self.local_keys, self.shared_keys = frozenset(local_keys), list(shared_keys)
         params = {n for n, _ in model.named_parameters()}
         self.shared_params = [k for k in self.shared_keys if k in params]
@@ -84,7 +87,12 @@ class ClientRunner:
         statistics. ``copy_reply`` detaches the reply from the working model (needed when the caller keeps
         it while training the next client). ``input_state`` is the server's input harmonization state
         (HarmoFL's global amplitude, once averaged); the client's own amplitude goes into the message
-        under ``amp.client`` until then."""
+        under ``amp.client`` until then. Tensors that arrive on another device (a Flower node's messages and
+        stored state are host arrays) are moved to the model's."""
+        global_state, server_state = to_device(global_state, self.device), to_device(server_state, self.device)
+        memory.local_state = to_device(memory.local_state, self.device)
+        for key, value in memory.algorithm_state.items():  # in place: the caller keeps this dict (SCAFFOLD's c_i)
+            memory.algorithm_state[key] = value.to(self.device)
         self.load(global_state, memory)
         training = self.training if instructions.lr == self.training.lr else _with_lr(self.training, instructions.lr)
         shared_global = {k: global_state[k] for k in self.shared_keys}
@@ -99,7 +107,7 @@ class ClientRunner:
                                  "use a method without amplitude_norm for feature vectors")
             normalizer = amplitude_normalizer(self.method.amplitude_norm, (input_state or {}).get("amp.global"))
             normalizer.train()
-            prepare = lambda x: self.layout(AmplitudePrepare(normalizer)(x))  # noqa: E731
+            prepare = lambda x: self.place(AmplitudePrepare(normalizer)(x))  # noqa: E731
         sgd_momentum = training.momentum if training.optimizer == "sgd" else 0.0
         context = ClientContext(
             client.name, training.lr, self.shared_params, shared_global, server_state,
@@ -147,7 +155,7 @@ class ClientRunner:
         if not self.method.amplitude_norm or amp is None:
             return self.prepare
         normalizer = amplitude_normalizer(self.method.amplitude_norm, amp).eval()
-        return lambda x: self.layout(AmplitudePrepare(normalizer, update=False)(x))
+        return lambda x: self.place(AmplitudePrepare(normalizer, update=False)(x))
 
 
 def amplitude_normalizer(variant: str, global_amplitude: torch.Tensor | None) -> AmplitudeNormalizer:

@@ -27,6 +27,7 @@ from ..methods.policy import local_state_keys
 from ..methods.presets import Method
 from ..methods.external import EXTERNAL_MODES, ExternalBN, evaluate_external
 from .allocator import reuse_freed_memory
+from .device import to_device
 from .client_step import ClientMemory, ClientRunner, RoundInstructions, update_input_state
 from ..methods.server import ClientReply, LocalSchedule, ServerUpdate, Threat
 from ..models.fbn import federated_bn_layers
@@ -50,6 +51,8 @@ class Federation:
     weighting: str = "samples"  # aggregation weights: "samples" (n_k / n) or "uniform" (1 / K)
     persistent_optimizer: bool = False  # keep each client's optimizer state (momentum) across rounds
     eval_batch_size: int = 500
+    # where the model trains: "cpu", "cuda", "cuda:N" (:mod:`.device`; the runner resolves ``auto``)
+    device: str = "cpu"
     # NHWC activations and weights; None: on only where training runs in bf16 (resolve_channels_last)
     channels_last: bool | None = None
     # keep freed blocks in the process (glibc mallopt, process-wide): no fresh pages per step, :mod:`.allocator`
@@ -109,6 +112,8 @@ class InProcessEngine:
         reuse_freed_memory(federation.reuse_freed_memory)
         federation = replace(federation, channels_last=resolve_channels_last(federation.channels_last,
                                                                              training.precision))
+        self.device = torch.device(federation.device)
+        model = model.to(self.device)
         self.model = model.to(memory_format=torch.channels_last) if federation.channels_last else model
         self.clients = clients
         self.eval_clients = eval_clients if eval_clients is not None else clients
@@ -121,7 +126,7 @@ class InProcessEngine:
         self.method = method
         self.training = training
         self.federation = federation
-        self.prepare = self._with_layout(prepare)
+        self.prepare = lambda x: self._place(prepare(x))
         self.local_keys = local_state_keys(self.model, method.policy)
         self._check_method(method, federation)
         self.freeze_round = method.freeze_round(federation.rounds) if federation.rounds else None
@@ -143,7 +148,7 @@ class InProcessEngine:
         self.shared_params = [k for k in self.shared_keys if k in params]
         self.algorithm = method.client.build()
         self.runner = ClientRunner(self.model, method, training, self.local_keys, self.shared_keys, prepare,
-                                   federation.persistent_optimizer, self.algorithm, layout=self._layout)
+                                   federation.persistent_optimizer, self.algorithm, place=self._place)
         self.input_state: dict[str, torch.Tensor] = {}  # HarmoFL's global amplitude once averaged
         # fedbn_average's BN affine parameters given from outside (a Flower node gets the server's average);
         # None: the internal clients' local states here
@@ -179,10 +184,9 @@ class InProcessEngine:
                 "stateless method (fedavg, fedprox, fedwon, fedavg_gn, fedavg_ln, fixbn) or a cross-silo federation"
             )
 
-    def _with_layout(self, prepare):
-        return (lambda x: self._layout(prepare(x))) if self.federation.channels_last else prepare
-
-    def _layout(self, x: torch.Tensor) -> torch.Tensor:
+    def _place(self, x: torch.Tensor) -> torch.Tensor:
+        """A prepared (float) batch on the model's device, in its memory format."""
+        x = x.to(self.device, non_blocking=True)
         return x.contiguous(memory_format=torch.channels_last) if self.federation.channels_last else x
 
     # ---------------------------------------------------------------- rounds
@@ -306,8 +310,8 @@ class InProcessEngine:
         use_bf16 = self.training.precision == "bf16"
         for start in range(0, len(data), self.federation.eval_batch_size):
             x = prepare(data.x[start : start + self.federation.eval_batch_size])
-            y = task.target(data.y[start : start + self.federation.eval_batch_size])
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
+            y = task.target(data.y[start : start + self.federation.eval_batch_size]).to(x.device)
+            with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=use_bf16):
                 logits = self.model(x).float()
             score, loss = task.evaluation_sums(logits, y)
             loss_sum += loss
@@ -416,6 +420,10 @@ class InProcessEngine:
         missing = set(self.global_state) ^ set(state["global_state"])
         if missing:
             raise ValueError(f"checkpoint does not match the model: differing entries {sorted(missing)[:5]}")
+        # checkpoints are read to the host (store.load_checkpoint): the model's state goes back to its device;
+        # optimizer states follow their parameters when loaded, the input state (amplitudes) is used on the host
+        on_device = ("global_state", "local_states", "server", "algorithm_server_state", "algorithm_states")
+        state = {**state, **to_device({k: state[k] for k in on_device if k in state}, self.device)}
         self.round = int(state["round"])
         self.global_state = state["global_state"]
         self.local_states = state["local_states"]

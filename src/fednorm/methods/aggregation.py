@@ -89,7 +89,7 @@ class WeightedMean:
                     )
                 acc = self._sum.get(key)
                 if acc is None:
-                    acc = self._sum[key] = torch.zeros(shape, dtype=accumulator_dtype(value.dtype))
+                    acc = self._sum[key] = torch.zeros(shape, dtype=accumulator_dtype(value.dtype), device=value.device)
                 acc.add_(value.detach(), alpha=weight)  # in place, no temporary copy
             else:
                 cur = self._sum.get(key)

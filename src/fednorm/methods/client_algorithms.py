@@ -239,7 +239,7 @@ class Scaffold(ClientAlgorithm):
         model.eval()  # the gradient at x without moving BN statistics
         for start in range(0, n, 500):
             x = ctx.prepare(data.x[start : start + 500])
-            loss = F.cross_entropy(model(x).float(), data.y[start : start + 500], reduction="sum") / n
+            loss = F.cross_entropy(model(x).float(), data.y[start : start + 500].to(x.device), reduction="sum") / n
             loss.backward()
         grads = {k: (params[k].grad.detach().float().clone() if params[k].grad is not None
                      else torch.zeros_like(params[k], dtype=torch.float32)) for k in ctx.shared_params}
@@ -541,7 +541,8 @@ class PerFedAvg(ClientAlgorithm):
         if has_bn and len(index) < 2:
             raise ValueError("Per-FedAvg's evaluation step needs at least 2 labelled samples for a BatchNorm model "
                              f"(its {spec.perfedavg_eval_data} split gives {len(index)})")
-        x, y = prepare(split.x[index]), split.y[index]
+        x = prepare(split.x[index])
+        y = split.y[index].to(x.device)
         was_training = model.training
         model.train()  # a local SGD step: BN uses batch statistics and updates its running ones
         params = [p for p in model.parameters() if p.requires_grad]

@@ -179,7 +179,7 @@ def _attach_trackers(model: nn.Module, bn: ExternalBN, mode: str) -> list:
 
 
 def _metrics(logits: Tensor, y: Tensor) -> tuple[int, float]:
-    logits = logits.float()
+    logits, y = logits.float(), y.to(logits.device)
     return int((logits.argmax(1) == y).sum()), float(F.cross_entropy(logits, y, reduction="sum"))
 
 

@@ -98,7 +98,7 @@ def aggregate_fbn_weighted(means: Tensor, vars: Tensor, beta: float, counts: Seq
     :func:`aggregate_fbn`. With unequal counts the clients' own unbiasing Kn/(Kn-1) used their own K, so the
     result is then close to, not exactly, centralized BN's running variance.
     """
-    k = torch.as_tensor(list(counts), dtype=means.dtype)
+    k = torch.as_tensor(list(counts), dtype=means.dtype, device=means.device)
     if k.numel() != means.shape[0] or (k <= 0).any():
         raise ValueError(f"need one positive count per client row, got {list(counts)} for {means.shape[0]} rows")
     total = float(k.sum())

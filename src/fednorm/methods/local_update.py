@@ -43,15 +43,18 @@ def native_bf16() -> bool:
 
     Without it, PyTorch emulates bf16 autocast on the CPU, which is slower than fp32 (20-30x for
     the digit CNN on an AVX2-only AMD EPYC, measured), so ``precision: auto`` picks fp32 there.
-    Training runs on the CPU (``torch.autocast("cpu")``), so a GPU in the machine does not count.
+    This is about the CPU only; a GPU's bf16 is :func:`resolve_precision`'s other case.
     """
     probes = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
     return any(p() for p in probes if p is not None)
 
 
-def resolve_precision(precision: str) -> str:
-    """``auto`` -> ``bf16`` where the hardware has native bf16, else ``fp32``; other values unchanged."""
+def resolve_precision(precision: str, device: str = "cpu") -> str:
+    """``auto`` -> ``bf16`` where the device training runs on (``cpu`` or ``cuda``, a
+    :class:`torch.device` type) computes bf16 natively, else ``fp32``; other values unchanged."""
     if precision == "auto":
+        if device == "cuda":
+            return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
         return "bf16" if native_bf16() else "fp32"
     return precision
 
@@ -59,9 +62,10 @@ def resolve_precision(precision: str) -> str:
 def resolve_channels_last(channels_last: bool | None, precision: str) -> bool:
     """The memory format a run uses: as set, or (None, ``auto``) channels_last only for bf16 training.
 
-    oneDNN's fast bf16 convolutions (AMX) want NHWC. In fp32, channels_last is no faster on the AVX2 CPU
-    measured here and less precise: its BatchNorm kernels are 10-30x and its convolutions' input gradient
-    3x further from float64 than the NCHW ones (benchmarks/performance.md, "channels_last in fp32"), so fp32 stays NCHW.
+    oneDNN's fast bf16 convolutions (AMX) want NHWC, as do a GPU's bf16 tensor cores. In fp32, channels_last
+    is no faster on the AVX2 CPU measured here and less precise: its BatchNorm kernels are 10-30x and its
+    convolutions' input gradient 3x further from float64 than the NCHW ones (benchmarks/performance.md,
+    "channels_last in fp32"), so fp32 stays NCHW.
     """
     return precision == "bf16" if channels_last is None else bool(channels_last)
 
@@ -77,7 +81,7 @@ class LocalTraining:
     momentum: float = 0.0
     weight_decay: float = 0.0
     drop_last: bool = False
-    precision: str = "fp32"  # "bf16": autocast matmuls/convs to bfloat16 (AMX); weights stay fp32
+    precision: str = "fp32"  # "bf16": autocast matmuls/convs to bfloat16 (AMX, GPU); weights stay fp32
     # "pytorch": buf = mu buf + g (torch.optim.SGD); "ema": buf = mu buf + (1 - mu) g from 0, the Polyak form of the
     # Byzantine-ML literature, which the FBN paper's client momentum 0.99 at lr 0.1 implies (extraction 1.5)
     momentum_style: str = "pytorch"
@@ -268,7 +272,7 @@ def train_locally(
     drift_sum = 0.0
 
     def forward(inputs: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
+        with torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=use_bf16):
             return model(inputs)
 
     def training_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -282,8 +286,8 @@ def train_locally(
         return loss
 
     for step, index in enumerate(schedule):
-        x = prepare(data.x[index])
-        y = cfg.task.target(data.y[index])  # segmentation masks: uint8 -> int64, one batch at a time
+        x = prepare(data.x[index])  # on the model's device: ``prepare`` places the batch
+        y = cfg.task.target(data.y[index]).to(x.device)  # segmentation masks: uint8 -> int64, one batch at a time
         optimizer.zero_grad(set_to_none=True)
         custom = algorithm.compute_gradients(context, model, x, y, forward) if algorithm is not None else None
         if custom is None:

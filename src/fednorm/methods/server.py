@@ -334,7 +334,7 @@ class ServerUpdate:
         def reduce(rows: Tensor, robust: bool = True) -> Tensor:
             if agg is not None and robust:
                 return agg(rows)
-            w = weights.to(rows.dtype).reshape(-1, *([1] * (rows.dim() - 1)))
+            w = weights.to(rows.device, rows.dtype).reshape(-1, *([1] * (rows.dim() - 1)))
             return (w * rows).sum(dim=0) / w.sum()
 
         new: dict[str, Tensor] = {}

@@ -19,6 +19,9 @@ For one (method, seed) cell of an experiment config this measures:
 :func:`bench_memory` runs the cross-device digits federation with several client counts, each in a fresh
 subprocess (so ``ru_maxrss`` belongs to that count alone), to check memory is flat in the number of clients.
 
+The bench measures the CPU (its peak, the process's RSS): engines run on the host here whatever
+``federation.device`` says; a GPU run's speed is read from its run folder's metrics, not from this module.
+
 Speed is measured, never asserted: the tests check the bookkeeping only.
 """
 
@@ -372,7 +375,7 @@ def bench_speed(config: ExperimentConfig, method_cfg: MethodConfig, seed: int, c
         raise BenchError(f"method {method_cfg.display!r} trains one model on the union of the clients' batches "
                          "(no per-client local training to time); bench a per-client method")
     log = log or (lambda _msg: None)
-    engine = build_engine(config, method_cfg, seed, clients)
+    engine = build_engine(config, method_cfg, seed, clients, device="cpu")  # measures the CPU (module doc)
     training = engine.training
     guard = has_batchnorm(engine.model)
     clock = PhaseClock()
@@ -516,7 +519,7 @@ def memory_child(config_path: Path, rounds: int, work_dir: Path | None = None) -
     clients = build_federation_data(config, data_dir)
     data_s = time.perf_counter() - start
     after_data = rss_mib()
-    engine = build_engine(config, method_cfg, seed, clients)
+    engine = build_engine(config, method_cfg, seed, clients, device="cpu")  # measures the CPU (module doc)
     after_engine = rss_mib()
     round_times = []
     with tempfile.TemporaryDirectory(prefix="fednorm-bench-", dir=work_dir) as tmp, RssSampler(0.01) as sampler:
@@ -619,6 +622,7 @@ def run_bench(config: ExperimentConfig, *, source: str | None = None, overrides:
             "source": source or "default", "overrides": list(overrides), "name": config.name,
             "method": method_cfg.display, "seed": seed, "model": config.model.name,
             "norm": method_cfg.build().norm or config.model.norm, "batch_size": training.batch_size,
+            "device": "cpu",
             "precision": training.precision,
             "precision_requested": config.training.precision,
             "channels_last": config.federation.channels_last_for(training.precision),

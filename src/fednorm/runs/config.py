@@ -11,10 +11,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..data.federation import check_domain, check_medical_options, domain_task, image_size, num_classes, parse_domain
+from ..engines.device import resolve_device
 from ..methods.aggregation import WEIGHTINGS
 from ..methods.local_update import LocalTraining, native_bf16, resolve_channels_last, resolve_precision
 from ..methods.policy import POLICIES
@@ -224,7 +226,8 @@ class TrainingConfig(_Strict):
                                               "weight_decay) or adam (betas, weight_decay; set momentum 0)")
     betas: tuple[float, float] = Field((0.9, 0.999), description="Adam's betas (HarmoFL segmentation: 0.9, 0.99)")
     precision: Literal["fp32", "bf16", "auto"] = Field(
-        "fp32", description="auto: bf16 autocast where the CPU has native bf16 (AMX / AVX512-BF16), else fp32")
+        "fp32", description="auto: bf16 autocast where the training device has native bf16 (a CPU with AMX / "
+        "AVX512-BF16, a GPU with bf16), else fp32")
     loss: Literal[("auto",) + LOSSES] = Field(  # type: ignore[valid-type]
         "auto", description="auto: ce for classification, the paper's loss for segmentation (nuclei dice, prostate "
         "ce_dice); ce, dice (soft Dice incl. background) or ce_dice ((CE + Dice) / 2) for segmentation")
@@ -239,17 +242,18 @@ class TrainingConfig(_Strict):
                              "betas[0]: set momentum: 0")
         return self
 
-    def build(self, task: Task | None = None) -> LocalTraining:
+    def build(self, task: Task | None = None, device: str = "cpu") -> LocalTraining:
         """The local training, with ``task`` (:meth:`ExperimentConfig.task`, which knows the domains); without
-        one, a Dice loss means segmentation and anything else classification."""
+        one, a Dice loss means segmentation and anything else classification. ``device`` is the type of the
+        device training runs on (``cpu`` or ``cuda``), for ``precision: auto``."""
         values = self.model_dump()
         loss, background = values.pop("loss"), values.pop("dice_background")
         if task is None:
             task = build_task("segmentation" if loss in ("dice", "ce_dice") else "classification", loss, background)
         values["task"] = task
-        values["precision"] = resolve_precision(self.precision)
+        values["precision"] = resolve_precision(self.precision, device)
         values["betas"] = tuple(values["betas"])
-        if values["precision"] == "bf16" and not native_bf16():
+        if values["precision"] == "bf16" and device == "cpu" and not native_bf16():
             warnings.warn(
                 "training.precision is bf16 but this machine has no native bf16 (no AMX / AVX512-BF16): "
                 "PyTorch emulates it, many times slower than fp32; use precision: auto or fp32",
@@ -287,6 +291,10 @@ class FederationConfig(_Strict):
         "for large linear layers (benchmarks/performance.md); resident memory stays at its peak")
     eval_batch_size: int = Field(500, ge=1, description="samples per evaluation batch (lower it for large images: "
                                  "a 384 x 384 U-Net)")
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        description="where clients train: auto (the first CUDA GPU when PyTorch sees one, else the CPU), cpu, cuda, "
+        "cuda:N; data stay in host memory and each batch moves to the device (fednorm.engines.device)")
     setting: Literal["cross_silo", "cross_device"] = Field(
         "cross_silo", description="cross_device: stateless clients (methods keeping client state are refused), "
         "the global model evaluated once per domain")
@@ -300,10 +308,15 @@ class FederationConfig(_Strict):
         "end only that cell, evaluate the server's last finite model, mark the cell diverged and go on with the "
         "next cell (record: for grids where divergence is an outcome, e.g. attacks without defense)")
 
-    def channels_last_for(self, precision: str) -> bool:
-        """The memory format this setting gives for training ``precision`` (``auto`` resolved)."""
+    def resolved_device(self) -> torch.device:
+        """The device this setting trains on, on this machine (``auto`` resolved)."""
+        return resolve_device(self.device)
+
+    def channels_last_for(self, precision: str, device: str = "cpu") -> bool:
+        """The memory format this setting gives for training ``precision`` on a ``device`` type (``auto``
+        resolved)."""
         return resolve_channels_last(None if self.channels_last == "auto" else self.channels_last,
-                                     resolve_precision(precision))
+                                     resolve_precision(precision, device))
 
 
 class ExternalConfig(_Strict):

@@ -26,6 +26,7 @@ from ..methods.aggregation import DivergenceError
 from ..methods.server import Threat
 from ..methods.local_update import resolve_precision
 from ..methods.tasks import prepare_features
+from ..engines.device import resolve_device
 from ..engines.simulation import Federation, InProcessEngine, derive_seed
 from . import store
 from .config import ExperimentConfig, MethodConfig, validate
@@ -146,10 +147,13 @@ def _build_partition(config: ExperimentConfig, data_dir: Path | None) -> list[Cl
 
 
 def build_engine(
-    config: ExperimentConfig, method_cfg: MethodConfig, seed: int, clients: list[ClientData]
+    config: ExperimentConfig, method_cfg: MethodConfig, seed: int, clients: list[ClientData],
+    device: str | None = None,
 ) -> InProcessEngine:
-    """The engine of one cell; the model's initial weights depend on the seed only."""
+    """The engine of one cell; the model's initial weights depend on the seed only (drawn on the host, then
+    moved). ``device`` overrides ``federation.device`` (the Flower server aggregates on the host)."""
     method = method_cfg.build()
+    where = resolve_device(device or config.federation.device)
     # feature vectors (ABIDE): the MLP's input length comes from the data, no image layout or /255 scaling
     features = clients[0].train.x.ndim == 2
     torch.manual_seed(derive_seed(seed, _INIT_STREAM))
@@ -163,7 +167,8 @@ def build_engine(
         fraction=f.fraction,
         weighting=f.weighting,
         persistent_optimizer=f.persistent_optimizer,
-        channels_last=False if features else f.channels_last_for(config.training.precision),
+        device=str(where),
+        channels_last=False if features else f.channels_last_for(config.training.precision, where.type),
         reuse_freed_memory=f.reuse_freed_memory,
         eval_batch_size=f.eval_batch_size,
         stateless_clients=cross_device,
@@ -172,7 +177,7 @@ def build_engine(
     )
     clients, external = split_external(clients)
     train_clients = [pooled_client(clients)] if method.pooled else clients
-    training = config.training.build(task=config.task())
+    training = config.training.build(task=config.task(), device=where.type)
     if method_cfg.lr is not None:
         training = replace(training, lr=method_cfg.lr)
     if config.diagnostics.drift:
@@ -347,14 +352,17 @@ def summarize_cell(records: list[dict], clients: list[ClientData], label: str, s
 
 # ------------------------------------------------------------------------------------------ runs
 def _write_run_info(run_dir: Path, data_dir: Path | None, config: ExperimentConfig) -> None:
+    device = resolve_device(config.federation.device)
     store.write_json(run_dir / RUN_INFO_FILE, {
         "data_dir": str(data_dir) if data_dir else None,
         "fednorm_version": __import__("fednorm").__version__,
-        "precision": resolve_precision(config.training.precision),  # what `auto` became on this machine
+        "device": str(device),  # what `auto` became on this machine
+        "precision": resolve_precision(config.training.precision, device.type),
         # likewise the memory format (of image models; feature-vector MLPs have none)
-        "channels_last": config.federation.channels_last_for(config.training.precision),
+        "channels_last": config.federation.channels_last_for(config.training.precision, device.type),
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}),
     })
 
 

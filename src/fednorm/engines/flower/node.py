@@ -35,6 +35,7 @@ from ...data.federation import domain_eval_clients, parse_domain
 from ...runs.config import ByzantineConfig, ExperimentConfig, MethodConfig, validate
 from ...runs.runner import clients_per_domain, with_validation
 from ..client_step import ClientMemory
+from ..device import to_device
 from . import messages as m
 from .node_state import NodeStateStore
 
@@ -333,7 +334,7 @@ class NodeClients:
         engine, initial, client, spec = self._client(context, cell)
         shared = m.from_arrays(message.content, m.GLOBAL)
         _check_global(shared, engine.shared_keys)
-        engine.global_state = {**initial, **shared}
+        engine.global_state = to_device({**initial, **shared}, engine.device)  # arrays arrive on the host
         engine.input_state = m.from_arrays(message.content, m.INPUT_STATE)
         engine.local_states, engine.external_clients, engine.external_affine = {}, [], None
         if cell.external_modes:

@@ -50,6 +50,8 @@ def simulate(config: ExperimentConfig, out: str | Path, data_dir: str | None = N
     _check_out(out, resume)
     count = nodes or federation_size(config, data_dir)
     settings = ServerSettings(experiment_text(config), str(out), options, resume=resume)
+    # no GPU share: Ray (current versions) then hides the GPUs from the nodes, which train on the CPU
+    # (federation.device auto); deployment SuperNodes use their machine's GPU
     backend = {"client_resources": {"num_cpus": cpus_per_node, "num_gpus": 0.0},
                "init_args": {"num_cpus": os.cpu_count() or 1, "include_dashboard": False}}
     run_simulation(make_server_app(settings, progress), make_client_app(data_dir, str(out / NODE_STATE_FOLDER)),

@@ -239,7 +239,7 @@ class FlowerEngine:
                  cell_dir: Path | None = None) -> None:
         check_flower_method(method_cfg)
         self.grid, self.roster, self.options = grid, roster, options
-        self.core = build_engine(config, method_cfg, seed, clients)
+        self.core = build_engine(config, method_cfg, seed, clients, device="cpu")  # aggregation only: the host
         self.label, self.seed = method_cfg.display, seed
         self.experiment = experiment_text(config)
         self.participation_path = None if cell_dir is None else Path(cell_dir) / PARTICIPATION_FILE
