@@ -109,3 +109,22 @@ def test_bad_inputs_are_refused():
         dice_score(PRED, TARGET, num_classes=2, background="both")
     with pytest.raises(TypeError, match="integer"):
         dice_loss(torch.randn(1, 2, 2, 2), torch.full((1, 2, 2), 0.5))
+
+
+def test_soft_dice_is_the_written_formula_on_random_batches():
+    # the loss goes through MONAI; this pins it to the formula of the module docstring, every option
+    torch.manual_seed(0)
+    logits, target = torch.randn(3, 3, 5, 4), torch.randint(0, 3, (3, 5, 4))
+    p, y = logits.softmax(1), F.one_hot(target, 3).movedim(-1, 1).float()
+    for batch_dice, dims in ((True, (0, 2, 3)), (False, (2, 3))):
+        d = (2 * (p * y).sum(dims) + 1e-5) / (p.sum(dims) + y.sum(dims) + 1e-5)
+        for background in (True, False):
+            expected = 1 - (d if background else d[..., 1:]).mean()
+            got = dice_loss(logits, target, include_background=background, batch_dice=batch_dice)
+            assert got.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_hard_dice_of_a_class_predicted_but_absent_from_the_mask_is_zero():
+    empty = torch.zeros(1, 2, 3, dtype=torch.long)
+    torch.testing.assert_close(dice_per_class(PRED, empty, 2), torch.tensor([[2 * 4 / (4 + 6), 0.0]]))
+    assert dice_score(PRED, empty, num_classes=2).item() == 0.0

@@ -18,8 +18,11 @@ The paper names the losses and the metric but defines neither. Defaults follow t
   does, which inflates the score. :func:`harmofl_code_dice` reproduces that function exactly
   (``2 I / (|P| + |G| + 1e-5)``, so a class absent from both prediction and mask scores 0).
 
-MONAI and torchmetrics are not installed and would be large dependencies for three short exact
-formulas, so the code is plain torch (each formula is a few tensor reductions).
+The standard forms come from MONAI (``monai.losses.DiceLoss`` with ``softmax=True``, ``smooth_nr =
+smooth_dr = s``; ``monai.metrics.compute_dice`` with ``ignore_empty=False``), which computes exactly these
+formulas; what is ours is the input checking and the official code's smoothed metric, which no library
+reproduces (its ``+ 1e-5`` in the denominator). MONAI is imported on first use (it takes seconds to import),
+so classification runs never load it.
 """
 
 from __future__ import annotations
@@ -75,18 +78,16 @@ def dice_loss(
     smooth: float = DICE_SMOOTH,
 ) -> torch.Tensor:
     """Soft Dice loss on softmax probabilities; defaults are the official code's (see module docstring)."""
+    from monai.losses import DiceLoss as MonaiDiceLoss
+
     _check_logits(logits)
     k = logits.shape[1]
     target = _check_target(target, logits.shape[0], tuple(logits.shape[2:]), k)
-    probs = logits.float().softmax(dim=1)
-    onehot = one_hot_masks(target, k, probs.dtype)
-    dims = (0, 2, 3) if batch_dice else (2, 3)
-    inter = (probs * onehot).sum(dims)
-    denom = probs.sum(dims) + onehot.sum(dims)
-    dice = (2 * inter + smooth) / (denom + smooth)  # (K,) or (N, K)
-    if not include_background:
-        dice = dice[..., 1:]
-    return 1 - dice.mean()
+    # 1 - mean over (classes) or (images, classes) of (2 sum(p y) + s) / (sum p + sum y + s); softmax first,
+    # then the background channel is dropped when excluded
+    loss = MonaiDiceLoss(include_background=include_background, softmax=True, batch=batch_dice,
+                         smooth_nr=smooth, smooth_dr=smooth)
+    return loss(logits.float(), one_hot_masks(target, k))
 
 
 def ce_dice_loss(
@@ -132,13 +133,19 @@ def dice_per_class(
     """Hard Dice of every image and class, ``N x K``: ``2 |P & G| / (|P| + |G| + eps)``.
 
     ``pred`` and ``target`` are N x H x W class indices. A class absent from both the prediction and
-    the mask scores ``empty`` (1.0: nothing to find, nothing found).
+    the mask scores ``empty`` (1.0: nothing to find, nothing found). ``eps = 0`` is the standard Dice
+    (MONAI's ``compute_dice``); ``eps > 0`` is the official code's smoothed form, written out here.
     """
-    p = one_hot_masks(pred, num_classes, torch.float64).flatten(2)
-    g = one_hot_masks(target, num_classes, torch.float64).flatten(2)
-    inter = (p * g).sum(-1)
-    union = p.sum(-1) + g.sum(-1)
-    dice = 2 * inter / (union + eps).clamp(min=torch.finfo(torch.float64).tiny)
+    p = one_hot_masks(pred, num_classes, torch.float64)
+    g = one_hot_masks(target, num_classes, torch.float64)
+    union = p.flatten(2).sum(-1) + g.flatten(2).sum(-1)
+    if eps == 0:
+        from monai.metrics import compute_dice
+
+        dice = compute_dice(p, g, include_background=True, ignore_empty=False)  # empty in both -> 1
+    else:
+        inter = (p * g).flatten(2).sum(-1)
+        dice = 2 * inter / (union + eps)
     return torch.where(union > 0, dice, torch.full_like(dice, empty)).float()
 
 
