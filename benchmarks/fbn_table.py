@@ -50,7 +50,7 @@ def by_step(run: Path) -> None:
         print(f"| {method} | " + " | ".join(f"{curve[s]:.2f}" if s in curve else "" for s in steps) + " |")
 
 
-ATTACKS = {"sf": "SF", "foe": "FOE", "alie": "ALIE"}
+ATTACKS = {"sf": "SF", "foe": "FOE", "alie": "ALIE", "alie-z1.5": "ALIE with z = 1.5 (byzfl)"}
 DEFENSES = {"mean": "mean: no defense", "median-stats": "NNM + median (mean): `-stats`",
             "trimmed-stats": "NNM + trimmed mean (mean): `-stats`", "median-all": "NNM + median (NNM + median): `-all`"}
 

@@ -29,6 +29,10 @@ def test_run_prints_the_per_client_table_and_report_reads_it(tmp_path):
     result = runner.invoke(app, ["run", *SETS, *paper, "--set", "federation.rounds=2", "--out", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
     assert "fedbn" in result.output and "rendered/neon" in result.output and "rendered stand-in" in result.output
+    # where it trained, `auto` resolved, as run.json records it
+    info = json.loads((out / "run.json").read_text())
+    layout = "channels_last" if info["channels_last"] else "NCHW"
+    assert f"training on {info['device']}, {info['precision']}, {layout}" in result.output
     result = runner.invoke(app, ["report", str(out), "--markdown"])
     assert result.exit_code == 0
     # the paper row beside ours, and under the table what it is

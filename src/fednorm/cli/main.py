@@ -17,7 +17,7 @@ from ..methods.aggregation import UpdateError
 from ..methods.presets import PRESETS
 from ..runs.config import ConfigError, load_config, preset_names
 from ..runs.report import ResultsTable, build_table, config_differences, read_summaries, split_label
-from ..runs.runner import RunError, find_run_config, load_run_config, resume_run, start_run
+from ..runs.runner import RunError, find_run_config, load_run_config, resolved_hardware, resume_run, start_run
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -64,6 +64,13 @@ class _Progress:
         self.bar.update(self.task, advance=advance, description=f"{label} seed {seed}", info=info)
 
 
+def _hardware_line(config) -> str:
+    """Where and how the run trains, with ``auto`` resolved: 'training on cpu, fp32, NCHW'."""
+    hw = resolved_hardware(config)
+    where = f"{hw['device']} ({hw['gpu']})" if "gpu" in hw else hw["device"]
+    return f"training on {where}, {hw['precision']}, {'channels_last' if hw['channels_last'] else 'NCHW'}"
+
+
 def _finish(run_dir: Path, results, config) -> None:
     table = build_table([r.summary for r in results], paper=config.paper, paper_source=config.paper_source)
     _print_table(table, f"{config.name}: test {table.score_label} (%) after round {config.federation.rounds}, "
@@ -84,6 +91,7 @@ def run(
         cfg = load_config(config, set_)
         run_dir = out or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         console.print(f"[bold]{cfg.name}[/]: {cfg.description or ''}", highlight=False)
+        console.print(f"[dim]{_hardware_line(cfg)}[/]", highlight=False)
         progress = _Progress(cfg.federation.rounds * len(cfg.methods) * len(cfg.seeds), quiet)
         with progress.bar:
             results = start_run(cfg, run_dir, data_dir=data_dir, progress=progress)
@@ -101,6 +109,7 @@ def resume(
     """Continue a stopped run from its last checkpoints; the results equal an uninterrupted run."""
     try:
         cfg = load_run_config(run_dir)
+        console.print(f"[dim]{_hardware_line(cfg)}[/]", highlight=False)
         progress = _Progress(cfg.federation.rounds * len(cfg.methods) * len(cfg.seeds), quiet)
         with progress.bar:
             results = resume_run(run_dir, data_dir=data_dir, progress=progress)

@@ -351,18 +351,25 @@ def summarize_cell(records: list[dict], clients: list[ClientData], label: str, s
 
 
 # ------------------------------------------------------------------------------------------ runs
-def _write_run_info(run_dir: Path, data_dir: Path | None, config: ExperimentConfig) -> None:
+def resolved_hardware(config: ExperimentConfig) -> dict:
+    """What the config's ``auto`` settings become on this machine: device, precision and memory format (the
+    latter of image models; feature-vector MLPs have none)."""
     device = resolve_device(config.federation.device)
+    return {
+        "device": str(device),
+        "precision": resolve_precision(config.training.precision, device.type),
+        "channels_last": config.federation.channels_last_for(config.training.precision, device.type),
+        **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}),
+    }
+
+
+def _write_run_info(run_dir: Path, data_dir: Path | None, config: ExperimentConfig) -> None:
     store.write_json(run_dir / RUN_INFO_FILE, {
         "data_dir": str(data_dir) if data_dir else None,
         "fednorm_version": __import__("fednorm").__version__,
-        "device": str(device),  # what `auto` became on this machine
-        "precision": resolve_precision(config.training.precision, device.type),
-        # likewise the memory format (of image models; feature-vector MLPs have none)
-        "channels_last": config.federation.channels_last_for(config.training.precision, device.type),
+        **resolved_hardware(config),
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}),
     })
 
 
