@@ -16,14 +16,13 @@ from typing import Any
 
 import torch
 
-DEVICES = ("auto", "cpu", "cuda")
-_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"  # what federation.device accepts
 
 
 def resolve_device(device: str) -> torch.device:
     """``auto`` -> the first CUDA GPU when PyTorch sees one, else the CPU; ``cpu``, ``cuda``, ``cuda:N`` as set
     (a clear error when CUDA is asked for and not there)."""
-    if not _DEVICE.match(device):
+    if not re.match(DEVICE_PATTERN, device):
         raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
     if device == "auto":
         return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

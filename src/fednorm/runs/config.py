@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..data.federation import check_domain, check_medical_options, domain_task, image_size, num_classes, parse_domain
-from ..engines.device import resolve_device
+from ..engines.device import DEVICE_PATTERN, resolve_device
 from ..methods.aggregation import WEIGHTINGS
 from ..methods.local_update import LocalTraining, native_bf16, resolve_channels_last, resolve_precision
 from ..methods.policy import POLICIES
@@ -292,7 +292,7 @@ class FederationConfig(_Strict):
     eval_batch_size: int = Field(500, ge=1, description="samples per evaluation batch (lower it for large images: "
                                  "a 384 x 384 U-Net)")
     device: str = Field(
-        "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        "auto", pattern=DEVICE_PATTERN,
         description="where clients train: auto (the first CUDA GPU when PyTorch sees one, else the CPU), cpu, cuda, "
         "cuda:N; data stay in host memory and each batch moves to the device (fednorm.engines.device)")
     setting: Literal["cross_silo", "cross_device"] = Field(
