@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 
+import torch
 from typer.testing import CliRunner
 
 from fednorm.cli.main import app
@@ -88,6 +89,14 @@ def test_bad_config_exits_with_a_clear_message(tmp_path):
     result = runner.invoke(app, ["run", "--set", "training.lrr=0.1", "--out", str(tmp_path / "r")])
     assert result.exit_code == 2
     assert "training.lrr: unknown key" in result.output
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_device_this_machine_lacks_exits_with_what_to_set(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = runner.invoke(app, ["run", "--set", "federation.device=cuda", "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2 and result.exception is not None and isinstance(result.exception, SystemExit)
+    assert "no CUDA GPU" in result.output and "device: cpu or auto" in result.output
     assert not (tmp_path / "r").exists()
 
 

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..data.domain import DataError
+from ..engines.device import DeviceError
 from ..methods.aggregation import UpdateError
 from ..methods.presets import PRESETS
 from ..runs.config import ConfigError, load_config, preset_names
@@ -25,7 +26,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console() if sys.stdout.isatty() else Console(width=200)
 err_console = Console(stderr=True)
 
-_USER_ERRORS = (ConfigError, DataError, RunError, UpdateError, FloatingPointError)
+_USER_ERRORS = (ConfigError, DataError, DeviceError, RunError, UpdateError, FloatingPointError)
 
 
 def _fail(exc: Exception) -> None:

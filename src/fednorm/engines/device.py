@@ -19,20 +19,25 @@ import torch
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"  # what federation.device accepts
 
 
+class DeviceError(ValueError):
+    """The configured device does not exist on this machine (checked when a run starts, not when a config is
+    read: a GPU run's folder can be reported on a machine without one)."""
+
+
 def resolve_device(device: str) -> torch.device:
     """``auto`` -> the first CUDA GPU when PyTorch sees one, else the CPU; ``cpu``, ``cuda``, ``cuda:N`` as set
     (a clear error when CUDA is asked for and not there)."""
     if not re.match(DEVICE_PATTERN, device):
-        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+        raise DeviceError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
     if device == "auto":
         return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     resolved = torch.device(device)
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} asked for, but PyTorch sees no CUDA GPU on this machine "
+            raise DeviceError(f"device {device!r} asked for, but PyTorch sees no CUDA GPU on this machine "
                              f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use device: cpu or auto")
         if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} CUDA "
+            raise DeviceError(f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} CUDA "
                              "GPU(s), numbered from 0")
     return resolved
 
