@@ -112,6 +112,29 @@ def test_resume_of_a_non_run_folder_fails_clearly(tmp_path):
     assert result.exit_code == 2 and "not a run folder" in result.output
 
 
+def test_a_run_whose_device_is_missing_here_resumes_on_the_device_given(tmp_path, monkeypatch):
+    from fednorm.runs.runner import start_run
+
+    from ..runs.test_runner import Stop, stop_after, tiny_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run = tmp_path / "run"
+    try:  # a run stopped after its first round, as if started on a GPU machine
+        start_run(tiny_config("methods=[fedbn]", "federation.rounds=2", "federation.eval_every=1"), run,
+                  progress=stop_after(1))
+    except Stop:
+        pass
+    config = run / "config.yaml"
+    assert "device: auto" in config.read_text()
+    config.write_text(config.read_text().replace("device: auto", "device: cuda"))
+    result = runner.invoke(app, ["resume", str(run), "--quiet"])
+    assert result.exit_code == 2 and "no CUDA GPU" in result.output
+    result = runner.invoke(app, ["resume", str(run), "--quiet", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "training on cpu" in result.output and (run / "fedbn" / "seed0" / "summary.json").exists()
+    assert "device: cuda" in config.read_text()  # the run's config is kept as started
+
+
 def test_kill_minus_9_then_resume_equals_an_uninterrupted_run(tmp_path):
     base = [sys.executable, "-m", "fednorm.cli.main", "run", *SETS, "--set", "methods=[fedbn]",
             "--set", "federation.rounds=6", "--quiet"]

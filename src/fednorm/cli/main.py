@@ -18,7 +18,8 @@ from ..methods.aggregation import UpdateError
 from ..methods.presets import PRESETS
 from ..runs.config import ConfigError, load_config, preset_names
 from ..runs.report import ResultsTable, build_table, config_differences, read_summaries, split_label
-from ..runs.runner import RunError, find_run_config, load_run_config, resolved_hardware, resume_run, start_run
+from ..runs.runner import (RunError, find_run_config, load_run_config, resolved_hardware, resume_run, start_run,
+                           with_device)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -106,14 +107,17 @@ def resume(
     run_dir: Path = typer.Argument(..., help="a run folder written by `fednorm run`"),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder, if it moved since the run started"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+    device: Optional[str] = typer.Option(None, "--device", help="train on another device than the run's config says "
+                                         "(auto, cpu, cuda, cuda:N): a GPU run finishing on a CPU machine"),
 ) -> None:
-    """Continue a stopped run from its last checkpoints; the results equal an uninterrupted run."""
+    """Continue a stopped run from its last checkpoints; the results equal an uninterrupted run (on another
+    --device: to float rounding)."""
     try:
-        cfg = load_run_config(run_dir)
+        cfg = with_device(load_run_config(run_dir), device)
         console.print(f"[dim]{_hardware_line(cfg)}[/]", highlight=False)
         progress = _Progress(cfg.federation.rounds * len(cfg.methods) * len(cfg.seeds), quiet)
         with progress.bar:
-            results = resume_run(run_dir, data_dir=data_dir, progress=progress)
+            results = resume_run(run_dir, data_dir=data_dir, progress=progress, device=device)
     except _USER_ERRORS as exc:
         _fail(exc)
     _finish(run_dir, results, cfg)

@@ -441,6 +441,14 @@ def check_partitions(run_dir: Path, clients: list[ClientData]) -> None:
                            f"changed. Resume with the original data (see {PARTITIONS_FILE}) or start a new run")
 
 
+def with_device(config: ExperimentConfig, device: str | None) -> ExperimentConfig:
+    """``config`` training on ``device`` instead (None: unchanged); the device must exist here."""
+    if device is None:
+        return config
+    resolve_device(device)
+    return config.model_copy(update={"federation": config.federation.model_copy(update={"device": device})})
+
+
 def load_run_config(run_dir: Path) -> ExperimentConfig:
     path = Path(run_dir) / store.CONFIG_FILE
     if not path.exists():
@@ -466,10 +474,13 @@ def run_data_dir(run_dir: Path, config: ExperimentConfig, data_dir: str | None =
     return resolve_data_dir(data_dir or config.data.data_dir or recorded)
 
 
-def resume_run(run_dir: Path, data_dir: str | None = None, progress: ProgressFn | None = None) -> list[CellResult]:
-    """Continue a stopped run from its checkpoints with the config it was started with."""
+def resume_run(run_dir: Path, data_dir: str | None = None, progress: ProgressFn | None = None,
+               device: str | None = None) -> list[CellResult]:
+    """Continue a stopped run from its checkpoints with the config it was started with; ``device`` moves it to
+    another device (a run started on a GPU finishing on a CPU machine: numbers then agree with an uninterrupted
+    run to float rounding, not bit for bit)."""
     run_dir = Path(run_dir)
-    config = load_run_config(run_dir)
+    config = with_device(load_run_config(run_dir), device)
     return execute(run_dir, config, run_data_dir(run_dir, config, data_dir), progress)
 
 
