@@ -40,12 +40,13 @@ def test_run_prints_the_per_client_table_and_report_reads_it(tmp_path):
     assert "|   paper |  |  | 50.00 |  |" in result.output and "paper rows: Example Table 9 for its own setting" in result.output
     table = json.loads((out / "results.json").read_text())
     fedbn_avg = table["methods"]["fedbn"]["Avg"]["mean"]
-    assert f"{fedbn_avg:.2f} (0.00)" in result.output
+    # one seed: the mean alone (no "(0.00)" that would read as no spread over seeds)
+    assert f"| {fedbn_avg:.2f} |" in result.output and "(0.00)" not in result.output
     # a folder without a finished cell (a run still going, caught by a glob) is skipped, not fatal ...
     (tmp_path / "going").mkdir()
     result = runner.invoke(app, ["report", str(out), str(tmp_path / "going"), "--markdown"])
     assert result.exit_code == 0, result.output
-    assert "skipped" in result.output and f"{fedbn_avg:.2f} (0.00)" in result.output
+    assert "skipped" in result.output and f"| {fedbn_avg:.2f} |" in result.output
     # ... unless nothing is finished at all
     result = runner.invoke(app, ["report", str(tmp_path / "going")])
     assert result.exit_code == 2 and "no finished cell" in result.output
@@ -72,14 +73,14 @@ def test_report_split_by_a_config_key_keeps_runs_that_differ_in_it_apart(tmp_pat
     assert merged.exit_code == 0, merged.output
     assert "differ in training.lr" in merged.output and "--split-by training.lr" in merged.output
     row = table_row(merged.output, "fedbn")
-    assert row[1] == "1" and row[-1] == f"{accs['slow']:.2f} (0.00)"
+    assert row[1] == "1" and row[-1] == f"{accs['slow']:.2f}"
     # split by it, each run is its own row with its own number
     split = runner.invoke(app, ["report", *both, "--markdown", "--split-by", "training.lr"], terminal_width=400)
     assert split.exit_code == 0, split.output
     assert "differ in" not in split.output
     for lr, name in (("0.01", "slow"), ("0.03", "fast")):
         row = table_row(split.output, f"fedbn [lr={lr}]")
-        assert row[1] == "1" and row[-1] == f"{accs[name]:.2f} (0.00)"
+        assert row[1] == "1" and row[-1] == f"{accs[name]:.2f}"
     # an unknown key names the near ones
     bad = runner.invoke(app, ["report", *both, "--split-by", "lr"], terminal_width=400)
     assert bad.exit_code == 2 and "training.lr" in bad.output

@@ -1,4 +1,4 @@
-from fednorm.runs.report import config_differences, split_label
+from fednorm.runs.report import ResultsTable, config_differences, split_label
 
 from .test_runner import tiny_config
 
@@ -16,3 +16,15 @@ def test_split_label_shows_the_key_and_value_as_set():
     assert split_label("fedbn", "federation.channels_last", tiny_config("federation.channels_last=false")) \
         == "fedbn [channels_last=false]"
     assert split_label("fedbn", "training.lr", tiny_config("training.lr=0.05")) == "fedbn [lr=0.05]"
+
+
+def test_table_cells_give_mean_and_std_over_seeds_and_no_std_for_one_seed():
+    table = ResultsTable(columns=["mnist"], origins={"mnist": "real"},
+                         rows={"fedbn": {"mnist": [0.90, 0.94], "Avg": [0.90, 0.94]},
+                               "fedavg": {"mnist": [0.80], "Avg": [0.80]}},
+                         seeds={"fedbn": [0, 1], "fedavg": [0]})
+    head, fedbn, fedavg = table.text_rows()
+    assert head == ["Method", "seeds", "mnist", "Avg"]
+    # population std of 90 and 94 is 2.00
+    assert fedbn == ["fedbn", "2", "92.00 (2.00)", "92.00 (2.00)"]
+    assert fedavg == ["fedavg", "1", "80.00", "80.00"]

@@ -1,7 +1,8 @@
 """Results tables in the papers' layout: one row per method, one column per client, mean (std) over seeds.
 
-Accuracy (Dice for segmentation runs: the ``metric`` their summaries name) is in percent. The std is over seeds (numpy's default, ddof=0); the ``Avg`` column is the
-mean over clients within each seed, then mean (std) over seeds. Domains that are not real data are
+Accuracy (Dice for segmentation runs: the ``metric`` their summaries name) is in percent. The std is over seeds (numpy's default, ddof=0)
+and shown only where a cell has two or more seeds (a single seed's "(0.00)" would read as no spread); the ``Avg``
+column is the mean over clients within each seed, then mean (std) over seeds. Domains that are not real data are
 marked with a dagger and a footnote. Where the run's config carries the paper's numbers, a
 ``paper`` row follows each method with them.
 """
@@ -72,7 +73,7 @@ class ResultsTable:
             row = [method + (DIVERGED if method in self.diverged else ""), str(len(self.seeds[method]))]
             for c in self.columns + ["Avg"]:
                 v = self.cell(method, c)
-                row.append("-" if v is None else f"{v[0]:.2f} ({v[1]:.2f})")
+                row.append("-" if v is None else f"{v[0]:.2f}" if v[2] == 1 else f"{v[0]:.2f} ({v[1]:.2f})")
             body.append(row)
             if method in self.paper:
                 numbers = self.paper[method]
