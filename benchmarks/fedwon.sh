@@ -13,6 +13,7 @@ OUT=${OUT:-benchmarks/results/fedwon/$PRESET${ROUNDS:+-r$ROUNDS}}
 DATA=${DATA:-../shared/data}
 CELLS=${CELLS:?set CELLS, e.g. CELLS=\"fedavg:0 fedwon:0\" (method labels of the preset : seed)}
 EXTRA=${EXTRA:-}
+eval "extra=($EXTRA)"  # EXTRA may quote values with spaces: --set 'methods=[{name: fedwon, agc_clip: 0}]'
 mkdir -p "$OUT"
 failed=()
 for cell in $CELLS; do
@@ -28,9 +29,8 @@ import json, sys
 from fednorm.runs.config import load_config
 m = [m for m in load_config('$PRESET').methods if m.display == '$label']
 sys.exit('no method labelled $label in $PRESET') if not m else print(json.dumps(m[0].model_dump(exclude_none=True)))")
-    # shellcheck disable=SC2086
     .venv/bin/fednorm run "$PRESET" --data-dir "$DATA" --set "methods=[$method]" --set "seeds=[$seed]" \
-      ${ROUNDS:+--set federation.rounds=$ROUNDS} $EXTRA --out "$dir" --quiet || { failed+=("$cell"); continue; }
+      ${ROUNDS:+--set federation.rounds=$ROUNDS} "${extra[@]}" --out "$dir" --quiet || { failed+=("$cell"); continue; }
   fi
   echo "$PRESET $label seed $seed${ROUNDS:+ ($ROUNDS rounds)}: $(( $(date +%s) - start )) s wall" | tee -a "$OUT/wall_times.txt"
 done

@@ -18,6 +18,7 @@ cd "$(dirname "$0")/.."
 PRESET=${PRESET:-unifed_digits}
 DATA=${DATA:-../shared/data}
 EXTRA=${EXTRA:-}
+eval "extra=($EXTRA)"  # EXTRA may quote values with spaces: --set 'seeds=[0, 1]'
 BASE=${BASE:-mnistm}
 SEVERITY=${SEVERITY:-3}
 run() {  # run folder, extra args...
@@ -26,8 +27,7 @@ run() {  # run folder, extra args...
   if [ -f "$out/config.yaml" ]; then
     .venv/bin/fednorm resume "$out" --data-dir "$DATA" --quiet
   else
-    # shellcheck disable=SC2086
-    .venv/bin/fednorm run "$PRESET" --data-dir "$DATA" "$@" $EXTRA --out "$out" --quiet
+    .venv/bin/fednorm run "$PRESET" --data-dir "$DATA" "$@" "${extra[@]}" --out "$out" --quiet
   fi
   echo "$out: $(( $(date +%s) - start )) s wall" | tee -a benchmarks/results/unifed/wall_times.txt
 }
