@@ -3,6 +3,8 @@
     python benchmarks/fbn_table.py            # markdown: final and best test accuracy per method and setting
     python benchmarks/fbn_table.py --by-step benchmarks/results/fbn/fbn_mnistm-gamma0   # one setting, by step
     python benchmarks/fbn_table.py --robust 0      # robust FBN vs robust naive BN at gamma 0 (the folder suffix: 0, 0.01, 0.1, 1)
+    python benchmarks/fbn_table.py --heterogeneity # the paper's Fig. 3 / Fig. 5 as a table: final accuracy against
+                                                   # gamma (1 -> 0) and Dirichlet alpha, mean (sample std) over seeds
 
 Each run folder holds every method of its preset for one setting (gamma, Dirichlet alpha, attack);
 a cell still running shows its last evaluated round, a diverged one (federation.on_divergence: record) the
@@ -12,6 +14,8 @@ step where it stopped (its final number is the server's last finite model there)
 from __future__ import annotations
 
 import json
+import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -89,6 +93,52 @@ def robust(gamma: str, root: Path = ROOT) -> None:
                       f"{_final_best(naive[0]) if naive else ''} |")
 
 
+def heterogeneity(root: Path = ROOT, preset: str = "fbn_mnistm") -> None:
+    """Final test accuracy against heterogeneity: one row per setting (gamma from 1 to 0, then Dirichlet alpha
+    from 1 to 0.1), one column per method, mean (sample std, ddof 1) over the seeds of every run folder
+    <preset>-<setting>[-seedN]; a cell still running or diverged is left out and counted in brackets."""
+    pattern = re.compile(rf"{re.escape(preset)}-(gamma|dirichlet)([0-9.]+)(?:-seed\d+)?")
+    finals: dict[tuple[str, float], dict[str, list[float]]] = {}
+    unfinished: dict[tuple[str, float], dict[str, int]] = {}
+    methods: list[str] = []
+    for run in sorted(root.iterdir()):
+        match = pattern.fullmatch(run.name)
+        if not match or not (run / "config.yaml").exists():
+            continue
+        setting = (match.group(1), float(match.group(2)))
+        for seed_dir in sorted(run.glob("*/seed*")):
+            method = seed_dir.parent.name
+            if method not in methods:
+                methods.append(method)
+            summary = seed_dir / "summary.json"
+            numbers = cell_numbers(seed_dir)
+            if numbers is None or not summary.exists() or json.loads(summary.read_text()).get("diverged"):
+                unfinished.setdefault(setting, {}).setdefault(method, 0)
+                unfinished[setting][method] += 1
+                continue
+            finals.setdefault(setting, {}).setdefault(method, []).append(numbers[0])
+
+    def cell(setting: tuple[str, float], method: str) -> str:
+        values = finals.get(setting, {}).get(method, [])
+        text = ""
+        if len(values) == 1:
+            text = f"{values[0]:.2f} (1 seed)"
+        elif values:
+            text = f"{statistics.mean(values):.2f} ({statistics.stdev(values):.2f}, {len(values)} seeds)"
+        missing = unfinished.get(setting, {}).get(method, 0)
+        return text + (f" [+{missing} unfinished]" if missing else "")
+
+    paper_order = ["fbn", "fixbn", "naive_bn", "centralized_bn"]  # the preset's (and the paper's legend's) order
+    methods.sort(key=lambda m: paper_order.index(m) if m in paper_order else len(paper_order))
+    order = sorted(set(finals) | set(unfinished), key=lambda s: (s[0] == "dirichlet", -s[1]))
+    print(f"{preset}: test accuracy % at the last step, mean (sample std, number of seeds)\n")
+    print("| setting | " + " | ".join(methods) + " |")
+    print("| --- | " + " | ".join("---" for _ in methods) + " |")
+    for setting in order:
+        label = f"gamma = {setting[1]:g}" if setting[0] == "gamma" else f"Dirichlet alpha = {setting[1]:g}"
+        print(f"| {label} | " + " | ".join(cell(setting, m) for m in methods) + " |")
+
+
 def main(root: Path = ROOT) -> None:
     runs = sorted(p for p in root.iterdir() if (p / "config.yaml").exists())
     methods: list[str] = []
@@ -109,12 +159,14 @@ def main(root: Path = ROOT) -> None:
             table.setdefault(run.name, {})[method] = f"{final:.2f} / {best:.2f}{status}"
     print("| setting | " + " | ".join(methods) + " |")
     print("| --- | " + " | ".join("---" for _ in methods) + " |")
-    for run in table:
-        print(f"| {run} | " + " | ".join(table[run].get(m, "") for m in methods) + " |")
+    for run, cells in table.items():
+        print(f"| {run} | " + " | ".join(cells.get(m, "") for m in methods) + " |")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--robust":
+    if len(sys.argv) == 2 and sys.argv[1] == "--heterogeneity":
+        heterogeneity()
+    elif len(sys.argv) == 3 and sys.argv[1] == "--robust":
         robust(sys.argv[2])
     elif len(sys.argv) > 2 and sys.argv[1] == "--by-step":
         for folder in sys.argv[2:]:
