@@ -8,6 +8,11 @@ parallel runs) merge into one table, rows in the first folder's method order, th
     python benchmarks/unifed_table.py benchmarks/results/unifed/unifed_digits [--selected]
     python benchmarks/unifed_table.py benchmarks/results/unifed/unifed_corrupt_internal-{a,b}
     python benchmarks/unifed_table.py benchmarks/results/unifed/unifed_corrupt_external-blur --paper
+    python benchmarks/unifed_table.py benchmarks/results/unifed/unifed_digits{,-seed1} --gain
+
+``--gain`` (runs of several seeds) adds the add-on's internal gain per algorithm: internal accuracy without and
+with client-specific BN, mean (sample std) over seeds, and the gain seed by seed (UniFed's claim: the add-on
+improves internal accuracy for every algorithm).
 
 ``--paper`` (a leave-one-corruption-type-out fold) adds the summary against UniFed Table III: per algorithm, the
 mean over the fold's external clients of each mode, beside the paper's mean over the same corruption type's
@@ -92,6 +97,26 @@ def print_paper_summary(rows: dict[str, dict[str, list[float]]], externals: list
         print(f"| {method} | " + " | ".join(ours + theirs) + " |")
 
 
+def print_add_on_gain(internal_by_seed: dict[str, dict[int, float]], methods: list[str]) -> None:
+    """Internal accuracy without / with the add-on (mean (sample std) over the seeds both have) and the gain by seed."""
+    print("\nInternal accuracy (%) without and with client-specific BN (+ours), seeds both ran; mean (sample std):\n")
+    print("| algorithm | seeds | without | with (+ours) | gain | gain by seed |")
+    print("|---" * 6 + "|")
+
+    def spread(values: list[float], sign: str = "") -> str:
+        return f"{np.mean(values):{sign}.2f}" + (f" ({np.std(values, ddof=1):.2f})" if len(values) > 1 else "")
+
+    for method in methods:
+        seeds = sorted(set(internal_by_seed.get(method, {})) & set(internal_by_seed.get(f"{method}+ours", {})))
+        if not seeds:
+            continue
+        without = [100 * internal_by_seed[method][s] for s in seeds]
+        with_ = [100 * internal_by_seed[f"{method}+ours"][s] for s in seeds]
+        gains = [b - a for a, b in zip(without, with_, strict=True)]
+        print(f"| {method} | {', '.join(map(str, seeds))} | {spread(without)} | {spread(with_)} | {spread(gains, "+")} | "
+              + " / ".join(f"{g:+.2f}" for g in gains) + " |")
+
+
 def column_name(client: str) -> str:
     """A corrupted domain's column is its corruption (``corrupt/fog/3/mnistm`` -> ``fog``,
     ``corrupt/fog/3/mnistm:global`` -> ``fog:global``); the base and severity are in the run's config."""
@@ -107,6 +132,8 @@ def main() -> None:
     parser.add_argument("--selected", action="store_true")
     parser.add_argument("--per-client", action="store_true",
                         help="a column per internal client too (UniFed Table II has one per corruption)")
+    parser.add_argument("--gain", action="store_true",
+                        help="the add-on's internal gain per algorithm, seed by seed and its mean (sample std)")
     parser.add_argument("--paper", action="store_true",
                         help="a leave-one-type-out fold's summary beside UniFed Table III's means over that type")
     args = parser.parse_args()
@@ -114,6 +141,7 @@ def main() -> None:
     rows: dict[str, dict[str, list[float]]] = {}
     externals: list[str] = []
     internals: list[str] = []
+    internal_by_seed: dict[str, dict[int, float]] = {}
     for summary in (s for run_dir in args.run_dirs for s in read_summaries(run_dir)):
         row = rows.setdefault(summary["method"], {})
         internal = []
@@ -131,6 +159,7 @@ def main() -> None:
                     internals.append(c["name"])
         if internal:
             row.setdefault("internal", []).append(float(np.mean(internal)))
+            internal_by_seed.setdefault(summary["method"], {})[summary["seed"]] = float(np.mean(internal))
     columns = (internals if args.per_client else []) + ["internal"] + externals
     print(f"Test accuracy (%), {'validation-selected' if args.selected else 'final'} round, mean over seeds "
           f"({', '.join(d.name for d in args.run_dirs)}). Internal: mean over the internal clients.\n")
@@ -150,6 +179,8 @@ def main() -> None:
                 continue
             cells = [f"{100 * np.mean(rows[label][c]):.2f}" if rows[label].get(c) else "" for c in columns]
             print(f"| {label} | " + " | ".join(cells) + " |")
+    if args.gain:
+        print_add_on_gain(internal_by_seed, [m for m in base if f"{m}+ours" in rows])
     if args.paper:
         print_paper_summary(rows, externals)
 
