@@ -113,7 +113,7 @@ def print_add_on_gain(internal_by_seed: dict[str, dict[int, float]], methods: li
         without = [100 * internal_by_seed[method][s] for s in seeds]
         with_ = [100 * internal_by_seed[f"{method}+ours"][s] for s in seeds]
         gains = [b - a for a, b in zip(without, with_, strict=True)]
-        print(f"| {method} | {', '.join(map(str, seeds))} | {spread(without)} | {spread(with_)} | {spread(gains, "+")} | "
+        print(f"| {method} | {', '.join(map(str, seeds))} | {spread(without)} | {spread(with_)} | {spread(gains, '+')} | "
               + " / ".join(f"{g:+.2f}" for g in gains) + " |")
 
 
