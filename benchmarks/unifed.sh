@@ -13,6 +13,8 @@
 #                                  # run folder <preset>-<PART>: split a preset across parallel one-thread runs;
 #                                  # unifed_table.py merges the folders
 # EXTRA adds --set overrides (e.g. "--set federation.rounds=50 --set model.width=0.5"); re-running resumes.
+# SUFFIX is appended to every run folder's name, for another seed of the same protocol beside the first:
+#   SUFFIX=-seed1 PRESET=unifed_corrupt_external FOLDS=noise EXTRA="--set seeds=[1]" bash benchmarks/unifed.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PRESET=${PRESET:-unifed_digits}
@@ -21,6 +23,7 @@ EXTRA=${EXTRA:-}
 eval "extra=($EXTRA)"  # EXTRA may quote values with spaces: --set 'seeds=[0, 1]'
 BASE=${BASE:-mnistm}
 SEVERITY=${SEVERITY:-3}
+SUFFIX=${SUFFIX:-}
 run() {  # run folder, extra args...
   local out=$1; shift
   start=$(date +%s)
@@ -39,12 +42,12 @@ fi
 if [ -n "${PAIRS:-}" ]; then
   items=""
   for m in $PAIRS; do items="$items$m, {name: $m, policy: local_bn, label: $m+ours}, "; done
-  run "benchmarks/results/unifed/$PRESET-${PART:?set PART to name the run folder of these PAIRS}" \
+  run "benchmarks/results/unifed/$PRESET-${PART:?set PART to name the run folder of these PAIRS}$SUFFIX" \
     --set "methods=[${items%, }]"
   exit 0
 fi
 if [ -z "${FOLDS:-}" ]; then
-  run "benchmarks/results/unifed/$PRESET"
+  run "benchmarks/results/unifed/$PRESET$SUFFIX"
   exit 0
 fi
 for held in $FOLDS; do
@@ -56,8 +59,8 @@ name = lambda c: f'corrupt/{c}/$SEVERITY/$BASE'
 train = [name(c) for t, cs in UNIFED_TYPES.items() if t != held for c in cs]
 print('[' + ','.join(train) + ']', '[' + ','.join(name(c) for c in UNIFED_TYPES[held]) + ']')")
   set -- $lists
-  run "benchmarks/results/unifed/$PRESET-$held" --set "data.domains=$1" --set "external.domains=$2"
+  run "benchmarks/results/unifed/$PRESET-$held$SUFFIX" --set "data.domains=$1" --set "external.domains=$2"
   # the fold's external means beside UniFed Table III's means over the same type's columns
-  .venv/bin/python benchmarks/unifed_table.py "benchmarks/results/unifed/$PRESET-$held" --paper \
-    | tee "benchmarks/results/unifed/$PRESET-$held/paper_summary.md"
+  .venv/bin/python benchmarks/unifed_table.py "benchmarks/results/unifed/$PRESET-$held$SUFFIX" --paper \
+    | tee "benchmarks/results/unifed/$PRESET-$held$SUFFIX/paper_summary.md"
 done
