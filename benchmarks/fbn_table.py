@@ -126,7 +126,7 @@ def heterogeneity(root: Path = ROOT, preset: str = "fbn_mnistm") -> None:
         elif values:
             text = f"{statistics.mean(values):.2f} ({statistics.stdev(values):.2f}, {len(values)} seeds)"
         missing = unfinished.get(setting, {}).get(method, 0)
-        return text + (f" [+{missing} unfinished]" if missing else "")
+        return text + (f" [+{missing} unfinished or diverged]" if missing else "")
 
     paper_order = ["fbn", "fixbn", "naive_bn", "centralized_bn"]  # the preset's (and the paper's legend's) order
     methods.sort(key=lambda m: paper_order.index(m) if m in paper_order else len(paper_order))
