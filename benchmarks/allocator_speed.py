@@ -58,7 +58,7 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", help="also write the rows as JSON here")
     args = parser.parse_args()
-    import torch  # noqa: E402 (only for the thread count line)
+    import torch  # only for the thread count line
     print(f"torch threads {torch.get_num_threads()}")
     print("| model | batch | off ms/step | on ms/step | speed-up | off / on sys ms/step | off / on page faults/step |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

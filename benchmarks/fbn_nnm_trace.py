@@ -36,8 +36,8 @@ def trace(attack: str, gamma: float, steps: int, method: str, data_dir: Path) ->
     config = load_config("fbn_robust_mnistm", [
         f"data.gamma={gamma}", f"federation.byzantine.attack={attack}", "model.width=0.5",
         f"federation.rounds={steps}", f"federation.eval_every={steps}", f"federation.checkpoint_every={steps}",
-        "seeds=[0]", f"methods=[{{name: {method}, server: {{rule: trimmed_mean, nnm: true, "
-        "robust_scope: statistics}}]",
+        "seeds=[0]",
+        f"methods=[{{name: {method}, server: {{rule: trimmed_mean, nnm: true, robust_scope: statistics}}}}]",
     ])
     clients = build_federation_data(config, data_dir)
     byzantine = threat(config, clients).byzantine

@@ -13,6 +13,7 @@ script checks it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
@@ -40,7 +41,7 @@ EXPERIMENT = [  # the default preset's four rendered digit domains (120 training
 
 def per_round(times: list[float]) -> dict:
     """Mean and spread of the round durations after the first (warm-up) round."""
-    gaps = [b - a for a, b in zip(times, times[1:])][1:]
+    gaps = [b - a for a, b in itertools.pairwise(times)][1:]
     return {"rounds_timed": len(gaps), "mean_s": statistics.mean(gaps), "min_s": min(gaps), "max_s": max(gaps)}
 
 

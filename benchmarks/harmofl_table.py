@@ -80,7 +80,7 @@ def main() -> None:
         if not stats:
             continue
 
-        def cell_text(name: str, fmt: str = "{:.4g}") -> str:
+        def cell_text(name: str, fmt: str = "{:.4g}", stats: dict = stats) -> str:
             return fmt.format(np.mean(stats[name])) if name in stats else ""
 
         print(f"| {method_dir.name} | {alpha.get(method_dir.name, float('nan')):g} | {len(stats['acc'])} | "

@@ -165,13 +165,14 @@ def main() -> None:
           f"({', '.join(d.name for d in args.run_dirs)}). Internal: mean over the internal clients.\n")
     print("| method | " + " | ".join(column_name(c) for c in columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
-    try:  # the config's method order
-        from fednorm.runs.runner import load_run_config
+    from fednorm.runs.config import ConfigError
+    from fednorm.runs.runner import RunError, load_run_config
 
+    try:  # the config's method order; a folder of cells without a (valid) run config keeps the files' order
         order = [m.display for run_dir in args.run_dirs for m in load_run_config(run_dir).methods]
-        rows = {m: rows[m] for m in sorted(rows, key=lambda m: order.index(m) if m in order else len(order))}
-    except Exception:  # noqa: BLE001 - a folder of cells without a run config keeps the files' order
-        pass
+    except (RunError, ConfigError):
+        order = []
+    rows = {m: rows[m] for m in sorted(rows, key=lambda m: order.index(m) if m in order else len(order))}
     base = [m for m in rows if not m.endswith("+ours")]
     for method in base + [m for m in rows if m.endswith("+ours") and m.removesuffix("+ours") not in base]:
         for label in (method, f"{method}+ours"):

@@ -28,12 +28,12 @@ def main() -> None:
     cfg = LocalTraining(batch_size=32, lr=0.01, momentum=0.9)
     times: dict[float, list[float]] = {0.0: [], 0.05: []}
     for _ in range(args.repeats + 1):  # the first pass warms up
-        for alpha in times:
+        for alpha, durations in times.items():
             model = DigitCNN(width=args.width)
             start = time.perf_counter()
             train_locally(model, data, cfg, generator=torch.Generator().manual_seed(1), prepare=normalize_batch,
                           weight_perturbation=alpha)
-            times[alpha].append((time.perf_counter() - start) / args.steps * 1000)
+            durations.append((time.perf_counter() - start) / args.steps * 1000)
     plain, wp = min(times[0.0][1:]), min(times[0.05][1:])
     print(f"digit CNN width {args.width}, batch 32, {torch.get_num_threads()} thread(s): plain {plain:.1f} ms/step, "
           f"weight perturbation {wp:.1f} ms/step ({wp / plain:.2f}x)")
