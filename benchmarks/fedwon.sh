@@ -32,7 +32,10 @@ sys.exit('no method labelled $label in $PRESET') if not m else print(json.dumps(
     .venv/bin/fednorm run "$PRESET" --data-dir "$DATA" --set "methods=[$method]" --set "seeds=[$seed]" \
       ${ROUNDS:+--set federation.rounds=$ROUNDS} "${extra[@]}" --out "$dir" --quiet || { failed+=("$cell"); continue; }
   fi
-  echo "$PRESET $label seed $seed${ROUNDS:+ ($ROUNDS rounds)}: $(( $(date +%s) - start )) s wall" | tee -a "$OUT/wall_times.txt"
+  # the precision and thread count decide the wall time, so the line names them
+  precision=$(sed -n 's/^  precision: //p' "$dir/config.yaml")
+  echo "$PRESET $label seed $seed${ROUNDS:+ ($ROUNDS rounds)}: $(( $(date +%s) - start )) s wall" \
+    "($precision, OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset})" | tee -a "$OUT/wall_times.txt"
 done
 if compgen -G "$OUT/*/config.yaml" > /dev/null; then
   .venv/bin/fednorm report "$OUT"/*/ --markdown | tee "$OUT/table.md"
