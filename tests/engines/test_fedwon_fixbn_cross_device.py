@@ -51,20 +51,42 @@ def test_agc_changes_the_update_only_through_clipping(tiny_clients):
     assert not torch.allclose(outs[0.01]["features.0.weight"], outs[0.0]["features.0.weight"])
 
 
-def test_fixbn_freezes_statistics_from_its_switch_round(tiny_clients):
+def test_fixbn_freezes_statistics_from_its_switch_round(tiny_clients, monkeypatch):
+    import fednorm.engines.client_step as client_step
+
+    freeze_flags = []
+
+    def recording_train_locally(*args, **kwargs):
+        freeze_flags.append(kwargs["freeze_bn_stats"])
+        return train_locally(*args, **kwargs)
+
+    monkeypatch.setattr(client_step, "train_locally", recording_train_locally)
     torch.manual_seed(0)
     model = DigitCNN(width=0.125, classifier="fedwon")
     eng = make_engine(tiny_clients, resolve_method("fixbn", freeze_bn_stats_at=2), model, rounds=4)
     assert eng.freeze_round == 2
+    replies = []
+    add = eng.server.add
+    monkeypatch.setattr(eng.server, "add", lambda reply: (replies.append(reply), add(reply))[-1])
     stats = lambda: eng.global_state["features.1.running_mean"].clone()  # noqa: E731
     before = stats()
     eng.run_round()
     eng.run_round()
     phase1 = stats()
+    counter = eng.global_state["features.1.num_batches_tracked"].clone()
     assert not torch.equal(phase1, before)  # phase 1: ordinary BN, statistics learned and averaged
     weight = eng.global_state["features.1.weight"].clone()
+    replies.clear()
     eng.run_round()
-    torch.testing.assert_close(stats(), phase1, rtol=0, atol=0)  # phase 2: frozen and shared
+    n = len(tiny_clients)
+    assert freeze_flags == [False] * 2 * n + [True] * n  # the switch reaches local training in round 2, not before
+    # phase 2: each client trains with the frozen statistics and sends them back untouched (not only the server
+    # keeping its copy), so the shared statistics stay those of phase 1
+    assert len(replies) == n
+    for reply in replies:
+        torch.testing.assert_close(reply.state["features.1.running_mean"], phase1, rtol=0, atol=0)
+        assert torch.equal(reply.state["features.1.num_batches_tracked"], counter)
+    torch.testing.assert_close(stats(), phase1, rtol=0, atol=0)
     assert not torch.equal(eng.global_state["features.1.weight"], weight)  # affine still trains
 
 
