@@ -90,6 +90,19 @@ def test_perfedavg_personalizes_before_evaluation(tiny_clients):
     assert any(x.loss != y.loss for x, y in zip(a, p))
     held = adapted.algorithm.evaluation_holdout(tiny_clients[0])["test"]
     assert len(held) == 8
+    # the 8 labelled test samples the client adapted on are left out of its test metric (20 - 8 = 12)
+    assert [x.num_examples for x in a if x.split == "test"] == [12] * len(tiny_clients)
+    assert [x.num_examples for x in p if x.split == "test"] == [20] * len(tiny_clients)
+    client = tiny_clients[0]
+    keep = torch.ones(len(client.test), dtype=torch.bool)
+    keep[held] = False
+    prepare = adapted.runner.evaluation_prepare(adapted.input_state)
+    adapted.load_client(client.name)
+    adapted.algorithm.adapt_for_evaluation(adapted.model, client, prepare, adapted.training.lr)
+    rest = type(client.test)(client.test.x[keep], client.test.y[keep])
+    acc, loss = adapted.evaluate_split(rest, prepare)
+    c0 = next(x for x in a if x.client == client.name and x.split == "test")
+    assert (c0.accuracy, c0.loss) == pytest.approx((acc, loss), rel=1e-6)
 
 
 def test_cross_device_refuses_stateful_moon_and_feddc_but_runs_perfedavg(tiny_clients):
