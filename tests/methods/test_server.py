@@ -162,6 +162,31 @@ def test_sign_flip_on_statistics_flips_the_mean_only_and_median_resists():
     assert (fbn_median["bn.running_var"] < 1.5 * fbn_clean["bn.running_var"]).all()
 
 
+def test_each_attack_on_statistics_reaches_the_server_as_defined():
+    """What the server averages (no defense) when c7-c9 attack the BN statistics, against hand formulas."""
+    from statistics import NormalDist
+
+    means = [torch.tensor([1.0 + i, -2.0 * i], dtype=D) for i in range(10)]
+    vars_ = [torch.tensor([1.0 + 0.5 * i, 3.0 - 0.25 * i], dtype=D) for i in range(10)]
+    byz = ("c7", "c8", "c9")
+    h_mean, h_var = torch.stack(means[:7]).mean(0), torch.stack(vars_[:7]).mean(0)
+    # SF on each attacker's own statistics: its mean negated, its variance sent as it is
+    own = _bn_round(ServerSpec(), Threat("sign_flip", byz, sign_flip_own=True), means, vars_)
+    torch.testing.assert_close(own["bn.running_mean"], (sum(means[:7]) - sum(means[7:])) / 10)
+    torch.testing.assert_close(own["bn.running_var"], torch.stack(vars_).mean(0))
+    # FOE (eps 0.1): -0.1 x the honest mean, on the variance too, where it is clamped to a valid 0
+    foe = _bn_round(ServerSpec(), Threat("fall_of_empires", byz, foe_eps=0.1), means, vars_)
+    torch.testing.assert_close(foe["bn.running_mean"], (7 * h_mean - 3 * 0.1 * h_mean) / 10)
+    torch.testing.assert_close(foe["bn.running_var"], 7 * h_var / 10)
+    # ALIE with z_max(n = 10, f = 3) = Phi^-1(7/10): honest mean - z * honest std (unbiased), both statistics
+    z = NormalDist().inv_cdf(0.7)
+    alie = _bn_round(ServerSpec(), Threat("a_little_is_enough", byz), means, vars_)
+    sent_mean = h_mean - z * torch.stack(means[:7]).std(0)
+    sent_var = (h_var - z * torch.stack(vars_[:7]).std(0)).clamp(min=0)
+    torch.testing.assert_close(alie["bn.running_mean"], (7 * h_mean + 3 * sent_mean) / 10)
+    torch.testing.assert_close(alie["bn.running_var"], (7 * h_var + 3 * sent_var) / 10)
+
+
 def test_robust_scope_statistics_takes_the_median_of_the_statistics_and_the_mean_of_the_parameters():
     means = [torch.tensor([1.0, 2.0], dtype=D) + 0.1 * i for i in range(10)]
     vars_ = [torch.tensor([1.0, 3.0], dtype=D)] * 10
