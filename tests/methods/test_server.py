@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fednorm.methods.aggregation import UpdateError
-from fednorm.methods.robust import coordinate_median, trimmed_mean
+from fednorm.methods.robust import coordinate_median
 from fednorm.methods.server import (ClientReply, LocalSchedule, ServerSpec, ServerUpdate, Threat, fednova_norm)
 
 D = torch.float64
@@ -102,14 +102,18 @@ def test_robust_rules_of_identical_updates_return_that_update():
 
 
 def test_robust_rules_aggregate_pseudo_gradients():
-    torch.manual_seed(0)
-    x = torch.randn(4, dtype=D)
-    values = [x + torch.randn(4, dtype=D) for _ in range(7)]
-    g = torch.stack([x - v for v in values])
+    """The server steps by the robust aggregate of the pseudo-gradients x - x_k, by hand on scalars."""
+    x = torch.tensor([2.0], dtype=D)
+    values = [x - g for g in torch.tensor([[3.0], [1.0], [4.0], [1.0], [5.0]], dtype=D)]
     med, _ = _run(ServerSpec("median"), x, values)
-    torch.testing.assert_close(med["w"], x - coordinate_median(g))
-    tm, _ = _run(ServerSpec("trimmed_mean", robust_f=2), x, values)
-    torch.testing.assert_close(tm["w"], x - trimmed_mean(g, 2))
+    torch.testing.assert_close(med["w"], x - 3)  # median of (3, 1, 4, 1, 5)
+    tm, _ = _run(ServerSpec("trimmed_mean", robust_f=1), x, values)
+    torch.testing.assert_close(tm["w"], x - 8 / 3)  # drop one low (1) and one high (5): mean of (1, 3, 4)
+    # Krum (f = 1): the pseudo-gradient with the smallest sum of squared distances to its n - f - 2 = 2
+    # nearest others; with (0, 1, 2, 10, 11) that is 1 (scores 0: 1 + 4, 1: 1 + 1, 2: 1 + 4, 10: 1 + 64, 11: 1 + 81)
+    values = [x - g for g in torch.tensor([[0.0], [1.0], [2.0], [10.0], [11.0]], dtype=D)]
+    kr, _ = _run(ServerSpec("krum", robust_f=1), x, values)
+    torch.testing.assert_close(kr["w"], x - 1)
 
 
 def test_sign_flip_on_parameters_moves_the_mean_and_not_the_median():
