@@ -36,19 +36,40 @@ def test_fedwon_model_is_normalization_free_and_keeps_nothing_local(tiny_clients
     assert eng.local_states == {}
 
 
-def test_agc_changes_the_update_only_through_clipping(tiny_clients):
-    client = tiny_clients[0]
-    outs = {}
-    for clip in (0.0, 0.01, 1e6):
-        torch.manual_seed(0)
-        model = build_model("digit_cnn", norm="ws", classifier="fedwon", width=0.125)
-        train_locally(model, client.train, TRAIN, generator=torch.Generator().manual_seed(1),
-                      prepare=normalize_batch, agc_clip=clip)
-        outs[clip] = model.state_dict()
-    # a huge threshold never clips: identical to no AGC; a tiny one changes every clipped tensor
-    for k in outs[0.0]:
-        torch.testing.assert_close(outs[1e6][k], outs[0.0][k])
-    assert not torch.allclose(outs[0.01]["features.0.weight"], outs[0.0]["features.0.weight"])
+@pytest.mark.parametrize("exclude_head", [True, False])
+def test_agc_clips_the_local_step_unit_wise_after_the_prox_term(tiny_clients, exclude_head):
+    """One full-batch SGD step of a WSConv model with AGC (lambda 0.01) and a FedProx term: every parameter
+    moves by -lr * clip(g + mu (w - w_ref)), unit by unit, the final classifier unclipped by default."""
+    client, lr, clip, mu = tiny_clients[0], 0.05, 0.01, 0.1
+    torch.manual_seed(0)
+    model = build_model("digit_cnn", norm="ws", classifier="fedwon", width=0.125, dropout=0.0)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    reference = {n: p.detach() + 0.5 for n, p in model.named_parameters()}
+    # the expected step, by hand: gradient of the mean cross-entropy plus mu (w - w_ref), then Eq. 4 per unit
+    loss = torch.nn.functional.cross_entropy(model(normalize_batch(client.train.x)), client.train.y)
+    grads = dict(zip([n for n, _ in model.named_parameters()], torch.autograd.grad(loss, list(model.parameters()))))
+    head = {"classifier.6.weight", "classifier.6.bias"}
+    expected, clipped_units = {}, 0
+    for name, p in model.named_parameters():
+        g = grads[name] + mu * (p.detach() - reference[name])
+        if not (exclude_head and name in head):
+            w_norm = p.detach().flatten(1).norm(dim=1) if p.dim() > 1 else p.detach().norm().reshape(1)
+            g_norm = g.flatten(1).norm(dim=1) if g.dim() > 1 else g.norm().reshape(1)
+            limit = clip * w_norm.clamp(min=1e-3)
+            scale = torch.where(g_norm > limit, limit / g_norm, torch.ones_like(g_norm))
+            clipped_units += int((g_norm > limit).sum())
+            g = g * scale.reshape(-1, *([1] * (g.dim() - 1)))
+        expected[name] = p.detach() - lr * g
+    assert clipped_units > 0
+    model.load_state_dict(start)
+    train_locally(model, client.train, LocalTraining(batch_size=len(client.train), lr=lr),
+                  generator=torch.Generator().manual_seed(1), prepare=normalize_batch, prox_reference=reference,
+                  prox_mu=mu, agc_clip=clip, agc_exclude_head=exclude_head)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[name], rtol=1e-5, atol=1e-6)
+    unclipped = start["classifier.6.weight"] - lr * (grads["classifier.6.weight"] + mu * (
+        start["classifier.6.weight"] - reference["classifier.6.weight"]))
+    assert torch.allclose(model.classifier[6].weight.detach(), unclipped, rtol=1e-5, atol=1e-6) == exclude_head
 
 
 def test_fixbn_freezes_statistics_from_its_switch_round(tiny_clients, monkeypatch):
