@@ -68,3 +68,22 @@ def test_amplitude_normalization_protocol(tiny_clients):
     assert len(eng.evaluate(("test",))) == 3
     state = eng.state_dict()
     assert torch.equal(state["input_state"]["amp.global"], eng.input_state["amp.global"])
+
+
+def test_code_variant_swaps_only_the_dc_amplitude_at_evaluation(tiny_clients):
+    """``amplitude_norm="code"`` (the authors' code: FDA window L = 0): after the protocol, evaluation replaces
+    only each channel's DC amplitude by the global one; every other frequency keeps the image's own amplitude."""
+    torch.manual_seed(3)
+    eng = InProcessEngine(DigitCNN(width=0.125), tiny_clients, resolve_method("harmofl", amplitude_norm="code"),
+                          TRAIN, Federation(seed=0, channels_last=False), normalize_batch)
+    eng.run_round()
+    eng.run_round()
+    glob = eng.input_state["amp.global"]
+    images = tiny_clients[2].test.x[:4]
+    restored = eng.runner.evaluation_prepare(eng.input_state)(images) * 0.5 + 0.5
+    got, own = amplitude(restored), amplitude(images.float() / 255)
+    torch.testing.assert_close(got[..., 0, 0], glob[..., 0, 0].expand(4, -1), rtol=1e-4, atol=1e-3)
+    assert not torch.allclose(own[..., 0, 0], got[..., 0, 0], rtol=1e-2)  # the DC did move (shifted client)
+    not_dc = torch.ones(got.shape[-2:], dtype=torch.bool)
+    not_dc[0, 0] = False
+    torch.testing.assert_close(got[..., not_dc], own[..., not_dc], rtol=1e-4, atol=1e-3)
