@@ -90,8 +90,38 @@ def test_fedbn_keeps_batchnorm_local_on_the_unet():
 
 def test_harmofl_runs_on_segmentation():
     eng = engine("harmofl", Task("segmentation", "ce_dice", "code"))
+    messages = []
+    real = eng.runner.run
+
+    def spy(*args, **kwargs):
+        reply, message, result = real(*args, **kwargs)
+        messages.append(message)
+        return reply, message, result
+
+    eng.runner.run = spy
     eng.run_round()
+    # the global amplitude is the uniform mean of the three sites' round-1 amplitudes (Alg. 1 line 17)
+    client_amps = [m["amp.client"] for m in messages]
+    assert len(client_amps) == 3
+    torch.testing.assert_close(eng.input_state["amp.global"], torch.stack(client_amps).mean(0))
     assert eng.input_state["amp.global"].shape == (3, SIDE, SIDE)
     eng.run_round()
     evals = eng.evaluate(("test",))
-    assert len(evals) == 3 and all(0.0 <= e.accuracy <= 1.0 for e in evals)
+    assert len(evals) == 3
+    # each site's Dice (the code's: background included) and loss are those of its model on amplitude-normalized
+    # images (evaluation batches of 3: the CE + Dice loss is a batch quantity), not on the raw images
+    prepare = eng.runner.evaluation_prepare(eng.input_state)
+    task = eng.training.task
+    for c in eng.clients:
+        eng.load_client(c.name)
+        eng.model.eval()
+        y = c.test.y.long()
+        with torch.no_grad():
+            logits = eng.model(prepare(c.test.x)).float()
+            raw = eng.model(normalize_batch(c.test.x)).float()
+        dice = task.per_image_dice(logits, y).mean().item()
+        loss = (3 * float(task.loss(logits[:3], y[:3])) + float(task.loss(logits[3:], y[3:]))) / 4
+        raw_loss = (3 * float(task.loss(raw[:3], y[:3])) + float(task.loss(raw[3:], y[3:]))) / 4
+        got = next(e for e in evals if e.client == c.name)
+        assert abs(got.accuracy - dice) < 1e-6 and abs(got.loss - loss) < 1e-6
+        assert abs(got.loss - raw_loss) > 1e-5  # after two rounds the tiny U-Net's output barely depends on x
