@@ -145,6 +145,22 @@ def test_population_statistics_are_the_mean_and_variance_of_all_the_data():
     torch.testing.assert_close(net[0].running_var, v)
 
 
+def test_unbiased_option_rescales_each_variance_by_its_own_count():
+    model, split = bn_model(), data(10)
+    # population statistics: N = 10 samples x 2 x 2 positions = 40 values per channel, variance x 40/39
+    net = reestimate_bn_statistics(model, split, prepare, ExternalBN(batch_size=3, momentum=None, unbiased=True))
+    m, v = stats(prepare(split.x))
+    torch.testing.assert_close(net[0].running_mean, m)
+    torch.testing.assert_close(net[0].running_var, v * 40 / 39)
+    # momentum: each batch's variance unbiased with its own K (4 samples: 16 values, the tail of 2: 8 values)
+    net = reestimate_bn_statistics(model, split, prepare, ExternalBN(batch_size=4, momentum=0.9, unbiased=True))
+    var = None
+    for index, k in ((torch.arange(0, 4), 16), (torch.arange(4, 8), 16), (torch.arange(8, 10), 8)):
+        bv = stats(prepare(split.x[index]))[1] * k / (k - 1)
+        var = bv if var is None else 0.9 * var + 0.1 * bv
+    torch.testing.assert_close(net[0].running_var, var)
+
+
 def test_later_layers_see_inputs_normalized_with_the_updated_statistics():
     torch.manual_seed(1)
     model = nn.Sequential(nn.Flatten(), nn.BatchNorm1d(8), nn.Linear(8, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))

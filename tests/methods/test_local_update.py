@@ -73,6 +73,14 @@ def test_single_sample_tail_batch_is_dropped_for_batchnorm_only():
         batch_schedule(1, cfg, torch.Generator(), guard_single=True)
 
 
+def test_drop_last_drops_a_short_tail_batch_unless_it_is_the_only_one():
+    cfg = LocalTraining(epochs=2, batch_size=8, drop_last=True)
+    batches = batch_schedule(35, cfg, torch.Generator().manual_seed(0), guard_single=False)
+    assert [len(b) for b in batches] == [8] * 8  # 4 full batches per epoch, the 3-sample tail dropped each time
+    assert len(set(torch.cat(batches[:4]).tolist())) == 32
+    assert [len(b) for b in batch_schedule(5, cfg, torch.Generator(), guard_single=False)] == [5, 5]
+
+
 def test_diverging_training_raises_a_clear_error():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 28 * 28, 10))
