@@ -223,6 +223,13 @@ def test_external_domain_is_reported_per_mode_and_left_out_of_the_average(tmp_pa
         assert r.summary["mean_final_test_acc"] == sum(internal) / len(internal)
     text = (tmp_path / "run" / "results.md").read_text()
     assert "street:test_time_bn" in text
+    # comparison.png's last accuracy point is the table's Avg (the internal clients' mean), not the external ones
+    from fednorm.runs.plots import comparison_curves
+
+    curves, _ = comparison_curves(tmp_path / "run", [(r.label, r.seed) for r in results])
+    for r in results:
+        acc = curves["acc"][r.label]
+        assert acc[max(acc)] == pytest.approx(r.summary["mean_final_test_acc"], abs=1e-12)
     # UniFed Fig. 6 ablation from the checkpoints: the global row equals the run's own final global column
     from fednorm.methods.external import ABLATION_MOMENTA, ABLATION_TEST_BATCH_SIZES
     from fednorm.runs.unifed_ablation import ablation_rows

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -54,29 +55,46 @@ def plot_cell(records: list[dict], cell: Path) -> None:
         plt.close(fig)
 
 
-def plot_comparison(run_dir: Path, cells: list[tuple[str, int]]) -> None:
-    """comparison.png: mean-over-clients test accuracy and training loss per method (mean over seeds)."""
-    curves: dict[str, dict[str, dict[int, list[float]]]] = {"acc": defaultdict(dict), "loss": defaultdict(dict)}
+def _external_clients(cell: Path) -> set[str]:
+    """The external (never trained) client entries of a finished cell, as its summary names them."""
+    path = cell / store.SUMMARY_FILE
+    if not path.exists():
+        return set()
+    return {e["name"] for e in json.loads(path.read_text())["clients"] if e.get("external")}
+
+
+def comparison_curves(run_dir: Path, cells: list[tuple[str, int]]) -> tuple[dict[str, dict[str, dict[int, float]]], str]:
+    """What comparison.png draws: per kind ("acc": mean test score over the internal clients, "loss": mean
+    training loss over the participants) and method label, round -> the mean over seeds; and the score's name."""
+    per_seed: dict[str, dict[str, dict[int, list[float]]]] = {"acc": defaultdict(dict), "loss": defaultdict(dict)}
     score = "accuracy"
     for label, seed in cells:
-        records = store.read_metrics(store.cell_dir(run_dir, label, seed) / store.METRICS_FILE)
+        cell = store.cell_dir(run_dir, label, seed)
+        records = store.read_metrics(cell / store.METRICS_FILE)
         score = _score(records)
+        external = _external_clients(cell)  # never trained: the table's Avg leaves them out, so does the curve
         for kind, split in (("acc", "test"), ("loss", "train")):
             by_round: dict[int, list[float]] = defaultdict(list)
             for r in records:
-                if r["split"] == split and kind in r:
+                if r["split"] == split and kind in r and r["client"] not in external:
                     by_round[r["round"]].append(r[kind])
             for rnd, vals in by_round.items():
-                curves[kind][label].setdefault(rnd, []).append(float(np.mean(vals)))
+                per_seed[kind][label].setdefault(rnd, []).append(float(np.mean(vals)))
+    curves = {kind: {label: {rnd: float(np.mean(v)) for rnd, v in sorted(by_round.items())}
+                     for label, by_round in methods.items()} for kind, methods in per_seed.items()}
+    return curves, score
+
+
+def plot_comparison(run_dir: Path, cells: list[tuple[str, int]]) -> None:
+    """comparison.png: mean-over-clients test accuracy and training loss per method (mean over seeds)."""
+    curves, score = comparison_curves(run_dir, cells)
     if not curves["acc"]:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, kind, ylabel in ((axes[0], "acc", f"mean test {score} over clients (%)"),
                              (axes[1], "loss", "mean training loss over clients")):
         for label, by_round in curves[kind].items():
-            rounds = sorted(by_round)
-            ys = [np.mean(by_round[r]) * (100 if kind == "acc" else 1) for r in rounds]
-            ax.plot(rounds, ys, label=label)
+            ax.plot(list(by_round), [y * (100 if kind == "acc" else 1) for y in by_round.values()], label=label)
         ax.set_xlabel("round")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
