@@ -116,6 +116,31 @@ def test_report_split_by_a_config_key_keeps_runs_that_differ_in_it_apart(tmp_pat
     assert bad.exit_code == 2 and "training.lr" in bad.output
 
 
+def test_report_warns_when_the_seeds_of_a_row_ran_with_different_settings(tmp_path):
+    # seed 0 at lr 0.01 for 4 rounds, seed 1 at lr 0.03 for 2 rounds: one row, averaged, and the report says so
+    for name, seed, extra in (("a", 0, []), ("b", 1, ["--set", "training.lr=0.03", "--set", "federation.rounds=2"])):
+        result = runner.invoke(app, ["run", *SETS, "--set", "methods=[fedbn]", "--set", f"seeds=[{seed}]", *extra,
+                                     "--out", str(tmp_path / name), "--quiet"])
+        assert result.exit_code == 0, result.output
+    merged = runner.invoke(app, ["report", str(tmp_path / "a"), str(tmp_path / "b"), "--markdown"], terminal_width=400)
+    assert merged.exit_code == 0, merged.output
+    assert "fedbn: seed 1" in merged.output and "rounds (4 and 2), training.lr; the row averages them" in merged.output
+    assert table_row(merged.output, "fedbn")[1] == "2"
+    # the same settings: no warning
+    same = runner.invoke(app, ["report", str(tmp_path / "a"), "--markdown"], terminal_width=400)
+    assert "averages them" not in same.output
+
+
+def test_run_names_its_folder_first_and_a_data_protocol_error_is_a_message(tmp_path):
+    out = tmp_path / "r"
+    result = runner.invoke(app, ["run", *SETS, "--set", "data.partition=even", "--set", "data.clients_per_domain=1000",
+                                 "--out", str(out)],
+                           terminal_width=400)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)  # no traceback
+    assert f"run folder {out}" in result.output
+    assert "cannot give 1000 clients" in result.output and "use fewer clients per domain" in result.output
+
+
 def test_bad_config_exits_with_a_clear_message(tmp_path):
     result = runner.invoke(app, ["run", "--set", "training.lrr=0.1", "--out", str(tmp_path / "r")])
     assert result.exit_code == 2

@@ -6,7 +6,7 @@ import torch
 
 from fednorm.runs import store
 from fednorm.runs.config import load_config
-from fednorm.runs.runner import RunError, resume_run, start_run
+from fednorm.runs.runner import RunError, load_run_config, resume_run, start_run
 
 TINY = [
     "data.domains=[rendered/print, rendered/neon]",
@@ -317,9 +317,15 @@ def test_a_diverged_cell_stops_the_run_or_is_recorded_and_the_grid_goes_on(tmp_p
     from fednorm.runs.report import DIVERGED
 
     methods = "methods=[{name: fedavg, label: fedavg-lr1e9, lr: 1.0e9}, fedbn]"
-    with pytest.raises(DivergenceError, match="lower the learning rate"):  # default: stop, with the advice
+    # default: stop, naming the cell and round, with the advice and the way on
+    with pytest.raises(DivergenceError, match=r"fedavg-lr1e9 seed 0 diverged in round \d.*lower the learning rate.*"
+                                              r"--on-divergence record"):
         start_run(tiny_config(methods), tmp_path / "stop")
     assert not (tmp_path / "stop" / "fedbn" / "seed0").exists()
+    # resuming with --on-divergence record marks that cell diverged and runs the next ones
+    went_on = resume_run(tmp_path / "stop", on_divergence="record")
+    assert "diverged" in went_on[0].summary and went_on[1].summary["rounds"] == 4
+    assert load_run_config(tmp_path / "stop").federation.on_divergence == "record"
 
     results = start_run(tiny_config(methods, "federation.on_divergence=record"), tmp_path / "run")
     bad, good = results
@@ -360,3 +366,22 @@ def test_run_info_records_the_resolved_precision_and_layout(tmp_path):
     assert info["precision"] == "fp32" and info["channels_last"] is False
     start_run(tiny_config("federation.rounds=1", "methods=[fedavg]", "federation.channels_last=true"), tmp_path / "b")
     assert json.loads((tmp_path / "b" / "run.json").read_text())["channels_last"] is True
+
+
+def test_a_damaged_config_or_checkpoint_is_named_not_replaced_by_defaults(tmp_path):
+    from fednorm.runs.store import CorruptFileError
+
+    cfg = tiny_config("methods=[fedavg]", "federation.rounds=1")
+    start_run(cfg, tmp_path / "run")
+    config_path = tmp_path / "run" / "config.yaml"
+    good = config_path.read_text()
+    config_path.write_text("")  # as a kill during a non-atomic write would leave it
+    with pytest.raises(CorruptFileError, match="config.yaml is empty"):
+        resume_run(tmp_path / "run")
+    config_path.write_text("federation: {rounds: [")
+    with pytest.raises(CorruptFileError, match="not valid YAML"):
+        resume_run(tmp_path / "run")
+    config_path.write_text(good)
+    (tmp_path / "run" / "fedavg" / "seed0" / "checkpoint.pt").write_bytes(b"cut off")
+    with pytest.raises(CorruptFileError, match="checkpoint.*unreadable.*delete it"):
+        resume_run(tmp_path / "run", rounds=2)

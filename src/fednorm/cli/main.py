@@ -17,7 +17,9 @@ from ..engines.device import DeviceError
 from ..methods.aggregation import UpdateError
 from ..methods.presets import PRESETS
 from ..runs.config import ConfigError, load_config, preset_names
-from ..runs.report import ResultsTable, build_table, config_differences, read_summaries, split_label
+from ..runs.store import CorruptFileError
+from ..runs.report import (ResultsTable, build_table, config_differences, read_summaries, row_differences,
+                           split_label)
 from ..runs.runner import (RunError, find_run_config, load_run_config, resolved_hardware, resume_run, start_run,
                            with_device)
 
@@ -27,12 +29,25 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console() if sys.stdout.isatty() else Console(width=200)
 err_console = Console(stderr=True)
 
-_USER_ERRORS = (ConfigError, DataError, DeviceError, RunError, UpdateError, FloatingPointError)
+_USER_ERRORS = (ConfigError, DataError, DeviceError, RunError, UpdateError, FloatingPointError, CorruptFileError)
+# run and resume also show ValueError as a message: the data protocol's and the checkpoint's checks raise it with
+# what is wrong and what to do (e.g. "cannot give 1000 clients ..."), as the other commands already do
+_RUN_ERRORS = (*_USER_ERRORS, ValueError)
 
 
-def _fail(exc: Exception) -> None:
+def _fail(exc: Exception, run_dir: Path | None = None) -> None:
     err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True, markup=True)
+    if run_dir is not None and (run_dir / "config.yaml").exists():
+        err_console.print(f"what finished is kept in {run_dir}; once fixed, `fednorm resume {run_dir}` goes on",
+                          highlight=False, soft_wrap=True)
     raise typer.Exit(code=2)
+
+
+def _interrupted(run_dir: Path | None) -> None:
+    where = (f"; `fednorm resume {run_dir}` goes on from the last checkpoint"
+             if run_dir is not None and (run_dir / "config.yaml").exists() else "")
+    err_console.print(f"stopped{where}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code=130)
 
 
 def _print_table(table: ResultsTable, title: str) -> None:
@@ -77,7 +92,7 @@ def _finish(run_dir: Path, results, config) -> None:
     paper, paper_source = config.paper_for_setting()
     table = build_table([r.summary for r in results], paper=paper, paper_source=paper_source)
     _print_table(table, f"{config.name}: test {table.score_label} (%) after round {config.federation.rounds}, "
-                        "mean (std) over seeds")
+                        "mean (population std) over seeds")
     console.print(f"run folder: {run_dir}  (results.md, comparison.png, <method>/seed<k>/metrics.jsonl)")
 
 
@@ -90,16 +105,19 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
 ) -> None:
     """Run an experiment: every method x seed of the config, into a run folder."""
+    run_dir = None
     try:
         cfg = load_config(config, set_)
         run_dir = out or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         console.print(f"[bold]{cfg.name}[/]: {cfg.description or ''}", highlight=False)
-        console.print(f"[dim]{_hardware_line(cfg)}[/]", highlight=False)
+        console.print(f"[dim]{_hardware_line(cfg)}; run folder {run_dir}[/]", highlight=False)
         progress = _Progress(cfg.federation.rounds * len(cfg.methods) * len(cfg.seeds), quiet)
         with progress.bar:
             results = start_run(cfg, run_dir, data_dir=data_dir, progress=progress)
-    except _USER_ERRORS as exc:
-        _fail(exc)
+    except _RUN_ERRORS as exc:
+        _fail(exc, run_dir)
+    except KeyboardInterrupt:
+        _interrupted(run_dir)
     _finish(run_dir, results, cfg)
 
 
@@ -113,6 +131,9 @@ def resume(
     rounds: Optional[int] = typer.Option(None, "--rounds", min=1, help="extend the run to this many rounds: "
                                          "finished cells go on from their last checkpoint (a shortened run "
                                          "grows towards the paper's protocol)"),
+    on_divergence: Optional[str] = typer.Option(None, "--on-divergence", help="stop or record: what a NaN/inf "
+                                                "loss does from here on (record: a run stopped by a diverged cell "
+                                                "marks it diverged and goes on with the next cells)"),
 ) -> None:
     """Continue a stopped run from its last checkpoints; the results equal an uninterrupted run (on another
     --device: to float rounding). With --rounds, also a finished run, to more rounds."""
@@ -122,10 +143,13 @@ def resume(
         total = rounds or cfg.federation.rounds
         progress = _Progress(total * len(cfg.methods) * len(cfg.seeds), quiet)
         with progress.bar:
-            results = resume_run(run_dir, data_dir=data_dir, progress=progress, device=device, rounds=rounds)
+            results = resume_run(run_dir, data_dir=data_dir, progress=progress, device=device, rounds=rounds,
+                                 on_divergence=on_divergence)
         cfg = load_run_config(run_dir)
-    except _USER_ERRORS as exc:
-        _fail(exc)
+    except _RUN_ERRORS as exc:
+        _fail(exc, run_dir)
+    except KeyboardInterrupt:
+        _interrupted(run_dir)
     _finish(run_dir, results, cfg)
 
 
@@ -146,6 +170,8 @@ def report(
     finished cell (a run still going, e.g. matched by a glob) are skipped with a warning."""
     summaries, paper, sources, unfinished = [], {}, [], []
     seen: dict[tuple[str, int], tuple[Path, object]] = {}  # (row, seed) -> the folder and config it came from
+    rows: dict[str, tuple[Path, object, int, int]] = {}  # row -> its first folder, config, seed and rounds
+    warned: set[tuple[str, Path]] = set()
     for d in run_dirs:
         if not d.exists():
             _fail(RunError(f"{d} does not exist"))
@@ -171,9 +197,23 @@ def report(
             first = seen.setdefault((s["method"], s["seed"]), (d, run_config))
             differ = config_differences(first[1], run_config) if first[0] != d and first[1] and run_config else []
             if differ:
-                console.print(f"[yellow]{s['method']} seed {s['seed']} is in {first[0]} and in {d}, whose configs "
-                              f"differ in {', '.join(differ)}: counted once, from {first[0]}; "
-                              f"`--split-by {differ[0]}` gives each its own row[/yellow]")
+                err_console.print(f"[yellow]{s['method']} seed {s['seed']} is in {first[0]} and in {d}, whose configs "
+                                  f"differ in {', '.join(differ)}: counted once, from {first[0]}; "
+                                  f"`--split-by {differ[0]}` gives each its own row[/yellow]", soft_wrap=True)
+                continue
+            # seeds of one row from runs that differ (another lr, fewer rounds): averaged together, so say so
+            row_dir, row_config, row_seed, row_rounds = rows.setdefault(
+                s["method"], (d, run_config, s["seed"], s.get("rounds")))
+            if (s["method"], d) in warned or (row_dir == d and s.get("rounds") == row_rounds):
+                continue
+            differ = (row_differences(row_config, run_config, s["method"].split(" [")[0])
+                      if row_dir != d and row_config and run_config else [])
+            if s.get("rounds") != row_rounds:
+                differ = [f"rounds ({row_rounds} and {s.get('rounds')})"] + [k for k in differ if k != "federation.rounds"]
+            if differ:
+                warned.add((s["method"], d))
+                err_console.print(f"[yellow]{s['method']}: seed {s['seed']} ({d}) and seed {row_seed} ({row_dir}) ran "
+                                  f"with different {', '.join(differ)}; the row averages them[/yellow]", soft_wrap=True)
         summaries += found
         if run_config is not None:
             numbers, source = run_config.paper_for_setting()
@@ -187,7 +227,7 @@ def report(
         _fail(RunError(f"{', '.join(map(str, unfinished))}: no finished cell (no summary.json); "
                        f"finish a run with `fednorm resume DIR`"))
     for d in unfinished:
-        console.print(f"[yellow]skipped {d}: no finished cell yet (`fednorm resume {d}` finishes it)[/yellow]")
+        err_console.print(f"[yellow]skipped {d}: no finished cell yet (`fednorm resume {d}` finishes it)[/yellow]")
     metric = "selected_acc" if selected else "best_acc" if best else "final_acc"
     table = build_table(summaries, paper=paper or None, metric=metric, paper_source="; ".join(sources) or None,
                         ddof=int(sample_std))
@@ -195,7 +235,7 @@ def report(
     if markdown:
         console.print(table.markdown(), highlight=False, markup=False)
     else:
-        _print_table(table, f"test {table.score_label} (%), {which}, mean ({'sample ' if sample_std else ''}std) over seeds")
+        _print_table(table, f"test {table.score_label} (%), {which}, mean ({'sample' if sample_std else 'population'} std) over seeds")
 
 
 @app.command()
@@ -399,7 +439,7 @@ def _flower_finish(run_dir: Path, cfg) -> None:
     if summaries:
         paper, paper_source = cfg.paper_for_setting()
         _print_table(build_table(summaries, paper=paper, paper_source=paper_source),
-                     f"{cfg.name} on Flower: test accuracy (%) after round {cfg.federation.rounds}, mean (std) over seeds")
+                     f"{cfg.name} on Flower: test accuracy (%) after round {cfg.federation.rounds}, mean (population std) over seeds")
     console.print(f"run folder: {run_dir}  (results.md, <method>/seed<k>/metrics.jsonl, participation.jsonl)",
                   highlight=False)
 

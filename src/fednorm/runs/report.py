@@ -148,9 +148,10 @@ def build_table(summaries: list[dict], paper: dict | None = None, metric: str = 
     return table
 
 
-# Config keys that differ between the cells of one study without changing what a cell computes.
+# Config keys that differ between the cells of one study without changing what a cell computes (a cell that
+# diverged says so in its summary, whatever on_divergence was).
 _NOT_A_SETTING = ("name", "description", "seeds", "methods", "paper", "paper_source", "paper_variants",
-                  "data.data_dir")
+                  "data.data_dir", "federation.on_divergence", "federation.checkpoint_every")
 
 
 def flat_config(config) -> dict[str, object]:
@@ -174,6 +175,22 @@ def config_differences(a, b) -> list[str]:
     keys = [k for k in dict.fromkeys([*fa, *fb])
             if not any(k == n or k.startswith(n + ".") for n in _NOT_A_SETTING)]
     return [k for k in keys if fa.get(k) != fb.get(k)]
+
+
+def method_config(config, label: str) -> dict | None:
+    """The method entry of a run config whose table label is ``label`` (its lr, agc_clip, ... overrides)."""
+    return next((m.model_dump(mode="json") for m in config.methods if m.display == label), None)
+
+
+def row_differences(a, b, label: str) -> list[str]:
+    """What differs between two runs that both put seeds into the table row ``label``: their settings and the
+    row's own method entry (``method.lr``, ...); empty when the seeds are comparable."""
+    differ = config_differences(a, b)
+    ma, mb = method_config(a, label), method_config(b, label)
+    if ma is not None and mb is not None:
+        fa, fb = flat_config(ma), flat_config(mb)
+        differ += [f"method.{k}" for k in dict.fromkeys([*fa, *fb]) if fa.get(k) != fb.get(k)]
+    return differ
 
 
 def split_label(method: str, key: str, config) -> str:
@@ -200,7 +217,7 @@ def write_run_report(run_dir: Path, config, results) -> ResultsTable:
     paper, paper_source = config.paper_for_setting()
     table = build_table([r.summary for r in results], paper=paper, paper_source=paper_source)
     title = f"# {config.name}\n\n{config.description}\n\nTest {table.score_label} (%) after round " \
-            f"{config.federation.rounds}, mean (std) over seeds.\n\n"
+            f"{config.federation.rounds}, mean (population std, ddof 0) over seeds.\n\n"
     (Path(run_dir) / "results.md").write_text(title + table.markdown())
     store.write_json(Path(run_dir) / "results.json", table.to_dict())
     plot_comparison(run_dir, [(r.label, r.seed) for r in results])

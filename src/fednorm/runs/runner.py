@@ -242,7 +242,11 @@ def run_cell(
             train_results = engine.run_round()
         except DivergenceError as err:
             if f.on_divergence != "record":
-                raise
+                run_dir = cell.parent.parent
+                raise DivergenceError(
+                    f"{label} seed {seed} diverged in round {engine.round + 1}: {err}. The cells finished before it "
+                    f"are kept. To record the divergence as this cell's outcome and go on with the next cells: "
+                    f"`fednorm resume {run_dir} --on-divergence record`") from err
             # the server's model is still the last finite aggregate; clients that trained before the failing one
             # keep their (finite) new local state. Evaluated and recorded at the round that diverged.
             diverged = {"round": engine.round + 1, "reason": str(err)}
@@ -390,7 +394,7 @@ def start_run(
             resolved = resolve_data_dir(data_dir or config.data.data_dir)
         clients = build_federation_data(config, resolved)  # before writing anything: bad data leaves no folder
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / store.CONFIG_FILE).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    store.write_text(run_dir / store.CONFIG_FILE, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
     _write_run_info(run_dir, resolved, config)
     return execute(run_dir, config, resolved, progress, clients=clients, build=build)
 
@@ -453,7 +457,16 @@ def load_run_config(run_dir: Path) -> ExperimentConfig:
     path = Path(run_dir) / store.CONFIG_FILE
     if not path.exists():
         raise RunError(f"{run_dir} is not a run folder (no {store.CONFIG_FILE}); start one with `fednorm run`")
-    return validate(yaml.safe_load(path.read_text()) or {}, source=str(path))
+    try:
+        saved = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise store.CorruptFileError(f"{path} is not valid YAML ({exc}); restore it from the run's start (it "
+                                     "holds the resolved config) or start a new run") from exc
+    # a run folder's config is a full dump: an empty one is damage, not "the default experiment"
+    if not isinstance(saved, dict) or not saved:
+        raise store.CorruptFileError(f"{path} is empty or not a mapping; restore it from the run's start or start "
+                                     "a new run (resuming would silently train the default experiment)")
+    return validate(saved, source=str(path))
 
 
 def find_run_config(path: Path) -> ExperimentConfig | None:
@@ -475,14 +488,21 @@ def run_data_dir(run_dir: Path, config: ExperimentConfig, data_dir: str | None =
 
 
 def resume_run(run_dir: Path, data_dir: str | None = None, progress: ProgressFn | None = None,
-               device: str | None = None, rounds: int | None = None) -> list[CellResult]:
+               device: str | None = None, rounds: int | None = None,
+               on_divergence: str | None = None) -> list[CellResult]:
     """Continue a stopped run from its checkpoints with the config it was started with; ``device`` moves it to
     another device (a run started on a GPU finishing on a CPU machine: numbers then agree with an uninterrupted
-    run to float rounding, not bit for bit). ``rounds`` extends the run (see :func:`extend_rounds`)."""
+    run to float rounding, not bit for bit). ``rounds`` extends the run (see :func:`extend_rounds`).
+    ``on_divergence`` changes what a divergence does from here on (``record``: a run stopped by a diverged cell
+    records it and goes on); it changes no finished cell, and is written to config.yaml."""
     run_dir = Path(run_dir)
     config = load_run_config(run_dir)
     if rounds is not None and rounds != config.federation.rounds:
         config = extend_rounds(run_dir, config, rounds)
+    if on_divergence is not None and on_divergence != config.federation.on_divergence:
+        config = validate(config.model_dump(mode="json") | {
+            "federation": config.federation.model_dump(mode="json") | {"on_divergence": on_divergence}})
+        store.write_text(run_dir / store.CONFIG_FILE, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
     config = with_device(config, device)
     return execute(run_dir, config, run_data_dir(run_dir, config, data_dir), progress)
 
@@ -514,7 +534,7 @@ def extend_rounds(run_dir: Path, config: ExperimentConfig, rounds: int) -> Exper
                 raise RunError(f"{cell} finished at round {old} but its {store.CHECKPOINT_FILE} is gone, so it cannot "
                                f"go on to round {rounds}; start a new run")
     extended = config.model_copy(update={"federation": config.federation.model_copy(update={"rounds": rounds})})
-    (run_dir / store.CONFIG_FILE).write_text(yaml.safe_dump(extended.model_dump(mode="json"), sort_keys=False))
+    store.write_text(run_dir / store.CONFIG_FILE, yaml.safe_dump(extended.model_dump(mode="json"), sort_keys=False))
     info_path = run_dir / RUN_INFO_FILE
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
     info.setdefault("extended", []).append({"from": old, "to": rounds})

@@ -45,11 +45,15 @@ def save_checkpoint(path: Path, state: dict) -> None:
     atomic_write_bytes(path, lambda fh: torch.save(state, fh))
 
 
+class CorruptFileError(RuntimeError):
+    """A file of a run folder cannot be read back; the message names it and what to do."""
+
+
 def load_checkpoint(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint gets the same advice
-        raise RuntimeError(
+        raise CorruptFileError(
             f"checkpoint {path} is unreadable ({exc}); delete it to restart this cell from round 0"
         ) from exc
 
@@ -85,3 +89,8 @@ def truncate_metrics(path: Path, last_round: int) -> None:
 
 def write_json(path: Path, data) -> None:
     atomic_write_bytes(path, lambda fh: fh.write(json.dumps(data, indent=2).encode()))
+
+
+def write_text(path: Path, text: str) -> None:
+    """A text file (config.yaml) written atomically: a kill leaves the old or the new one, never a cut-off one."""
+    atomic_write_bytes(path, lambda fh: fh.write(text.encode()))
