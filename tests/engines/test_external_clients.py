@@ -37,6 +37,22 @@ def test_external_clients_never_train_and_are_evaluated_in_every_mode(tiny_clien
         assert abs(evals[f"ext:{mode}"].loss - expected.loss) < 1e-6
 
 
+def test_fedbn_average_of_a_method_with_shared_affine_uses_the_global_affine(tiny_clients):
+    """SiloBN keeps only the BN statistics local (its affine is averaged like any parameter), FedAvg keeps
+    nothing: for both, fedbn_average puts the global model's affine, with statistics from the external data."""
+    outsider = ClientData("ext", "dx", make_split(10, seed=9, shift=120.0), make_split(24, seed=19, shift=120.0))
+    for method in ("silobn", "fedavg"):
+        eng = _engine(tiny_clients, method, [outsider])
+        eng.run_round()
+        assert not eng.bn_affine_is_local
+        got = next(e for e in eng.evaluate(("test",)) if e.client == "ext:fedbn_average")
+        model = eng.model
+        model.load_state_dict(eng.global_state)
+        expected = evaluate_external(model, outsider.test, eng.prepare, "fedbn_average", None, [eng.global_state])
+        assert got.accuracy == expected.accuracy and abs(got.loss - expected.loss) < 1e-6
+    assert _engine(tiny_clients, "fedbn", [outsider]).bn_affine_is_local
+
+
 def test_models_without_batchnorm_get_only_the_global_mode(tiny_clients):
     outsider = ClientData("ext", "dx", make_split(10, seed=9), make_split(12, seed=19))
     torch.manual_seed(2)

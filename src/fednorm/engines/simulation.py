@@ -25,7 +25,7 @@ from ..methods.local_update import (LocalResult, LocalTraining, batch_schedule, 
                                    train_locally)
 from ..methods.policy import local_state_keys
 from ..methods.presets import Method
-from ..methods.external import EXTERNAL_MODES, ExternalBN, evaluate_external
+from ..methods.external import EXTERNAL_MODES, ExternalBN, bn_affine_keys, evaluate_external
 from .allocator import reuse_freed_memory
 from .device import to_device
 from .client_step import ClientMemory, ClientRunner, RoundInstructions, update_input_state
@@ -366,16 +366,22 @@ class InProcessEngine:
                                           result.num_examples))
         return out
 
+    @property
+    def bn_affine_is_local(self) -> bool:
+        """Whether the clients keep their own BN weight and bias (FedBN), so fedbn_average must average them."""
+        return any(k in self.local_keys for k in bn_affine_keys(self.model))
+
     def evaluate_external_client(self, client: ClientData, mode: str, bn: ExternalBN | None = None, prepare=None):
         """One external client's test split under one mode (:func:`fednorm.methods.external.evaluate_external`),
         from the global model after the client algorithm's evaluation-time adaptation (Per-FedAvg's steps on
         labelled test samples, which are then left out); ``None`` if no test sample is left. Leaves the model
         holding the evaluated state; the global state is untouched."""
         prepare = prepare or self.runner.evaluation_prepare(self.input_state)
-        # the internal clients' BN affine parameters for fedbn_average: their local states where BN is local,
-        # else the global model's (already the average)
-        states = self.external_affine or [
-            self.local_states[c.name] for c in self.clients if c.name in self.local_states] or [self.global_state]
+        # the internal clients' BN affine parameters for fedbn_average: their local states where the affine is
+        # local (FedBN), else the global model's, already the average (FedAvg; SiloBN, whose local states hold
+        # only the statistics)
+        local = [self.local_states[c.name] for c in self.clients if c.name in self.local_states]
+        states = self.external_affine or (local if self.bn_affine_is_local else []) or [self.global_state]
         self.model.load_state_dict(self.global_state)
         self.algorithm.adapt_for_evaluation(self.model, client, prepare, self.training.lr)
         data = client.test

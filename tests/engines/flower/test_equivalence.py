@@ -27,8 +27,9 @@ def metrics(run, config):
 @pytest.mark.parametrize("extra", [
     ["methods=[fedbn, fedavg]", "diagnostics.drift=true"],  # HarmoFL's client drift travels in the reply
     ["methods=[scaffold, silobn, fednova]", "federation.persistent_optimizer=true", "training.momentum=0.9"],
-    # an external client under every mode, fedbn_average from the nodes' BN affine parameters under FedBN
-    ["methods=[fedbn, fedavg]", "external.domains=[rendered/street]", "federation.eval_every=1",
+    # an external client under every mode, fedbn_average from the nodes' BN affine parameters under FedBN, from
+    # the global affine under SiloBN (its nodes keep only BN statistics)
+    ["methods=[fedbn, fedavg, silobn]", "external.domains=[rendered/street]", "federation.eval_every=1",
      "federation.rounds=2"],
     ["methods=[harmofl, fixbn]", "federation.rounds=2", "federation.eval_every=1", "data.val_fraction=0.2"],
     ["methods=[{name: fbn, server: {rule: median, nnm: true}}]", "data.domains=[rendered/print]",

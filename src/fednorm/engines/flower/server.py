@@ -373,7 +373,7 @@ class FlowerEngine:
                 m.INPUT_STATE: input_state})))
         modes = self.core.external_modes if "test" in splits and self.core.external_clients else ()
         average = None
-        if "fedbn_average" in modes and self.core.local_keys:
+        if "fedbn_average" in modes and self.core.bn_affine_is_local:  # else the nodes use the global affine
             average = self._average_bn_affine()
             if average is None:
                 modes = tuple(x for x in modes if x != "fedbn_average")
