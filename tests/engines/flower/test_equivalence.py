@@ -73,3 +73,23 @@ def test_fedbn_state_never_leaves_the_nodes(tmp_path):
     for context in grid.contexts.values():  # ... and it is on the nodes
         local = [r for name, r in context.state.array_records.items() if name.endswith("/local")]
         assert local and set(local[0]) == bn
+
+
+def test_a_diverging_client_settles_as_in_process_by_on_divergence(tmp_path):
+    """A node whose local loss turns NaN is the run's divergence on Flower too (not a faulty node left out):
+    under `record` the cell is marked diverged at the same round with the same metrics; under `stop` the run
+    stops with the cell named."""
+    from fednorm.methods.aggregation import DivergenceError
+
+    methods = "methods=[{name: fedavg, label: fedavg-lr1e9, lr: 1.0e9}, fedbn]"
+    config = tiny_config(methods, "federation.on_divergence=record")
+    in_process_and_flower(tmp_path, config)
+    assert metrics(tmp_path / "flower", config) == metrics(tmp_path / "in_process", config)
+    records = {run: store.read_metrics(tmp_path / run / "fedavg-lr1e9" / "seed0" / store.METRICS_FILE)
+                 for run in ("flower", "in_process")}
+    assert any(r.get("diverged") for r in records["flower"])
+    stop = tiny_config(methods)
+    grid = FakeGrid(make_client_app(), [{"client-index": i} for i in range(2)])
+    with pytest.raises(DivergenceError, match=r"fedavg-lr1e9 seed 0 diverged in round \d: client .* "
+                                              "DivergenceError.*lower the learning rate"):
+        run_experiment(grid, ServerSettings(experiment_text(stop), str(tmp_path / "stop"), FlowerOptions(node_wait=5)))

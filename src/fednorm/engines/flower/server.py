@@ -32,7 +32,7 @@ from flwr.app import ArrayRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 
 from ...data.domain import ClientData, Split
-from ...methods.aggregation import UpdateError
+from ...methods.aggregation import DivergenceError, UpdateError
 from ...methods.local_update import LocalResult
 from ...methods.server import ClientReply
 from ...runs import store
@@ -299,6 +299,10 @@ class FlowerEngine:
             core.server.begin(core.global_state)  # validate() checks replies against this round's global state
         accepted: list[tuple[ClientReply, dict, LocalResult]] = []
         received: set[str] = set()
+        # a node whose local training raised DivergenceError (NaN/inf loss) answers with an error naming it
+        # (flwr: "<class '...DivergenceError'>:<'...'>"). A reply whose entries are NaN/inf is a malformed
+        # message instead (a faulty node or link: the server cannot tell), left out like any other
+        diverged = {name: reason for name, reason in dropped.items() if "DivergenceError" in reason}
         for client, instructions in plan:
             if client.name not in replies:
                 continue
@@ -312,6 +316,12 @@ class FlowerEngine:
                 dropped[client.name] = str(exc)
                 continue
             accepted.append((reply, message, result))
+        if diverged:
+            # as in-process: a client whose training diverged is the run's divergence, which
+            # federation.on_divergence settles (runner.run_cell: stop with an error, or record the cell), not a
+            # faulty node to leave out; the global model and the round stay as they were
+            name, reason = next(iter(diverged.items()))
+            raise DivergenceError(f"client {name!r}, on its node: {reason}")
         for client, reason in dropped.items():
             log(WARNING, "fednorm: round %s: client %r left out of the round: %s", r + 1, client, reason)
         if dropped and accepted:
