@@ -65,12 +65,19 @@ def build_federation_data(config: ExperimentConfig, data_dir: Path | None) -> li
     internal = _build_internal(config, data_dir)
     if not config.external.domains:
         return internal
+    return internal + build_external_clients(config, data_dir)
+
+
+def build_external_clients(config: ExperimentConfig, data_dir: Path | None,
+                           domains: list[str] | None = None) -> list[ClientData]:
+    """The external clients (``meta["external"]``) of ``domains`` (default: all of the config's); each is built
+    from its own domain's file alone, so a Flower node holding one needs no other domain's data."""
     d = config.data
-    external = build_clients(config.external.domains, data_dir=data_dir, percent=d.percent, pool_size=d.pool_size,
-                             split_seed=d.split_seed, rendered_size=d.rendered_size)
+    external = build_clients(list(domains or config.external.domains), data_dir=data_dir, percent=d.percent,
+                             pool_size=d.pool_size, split_seed=d.split_seed, rendered_size=d.rendered_size)
     for c in external:
         c.meta["external"] = True
-    return internal + external
+    return external
 
 
 def split_external(clients: list[ClientData]) -> tuple[list[ClientData], list[ClientData]]:

@@ -113,15 +113,15 @@ def _one_domain(experiment: str, domain: str, external: bool, data_dir: str | No
     """The clients of one independent domain, built exactly as in the whole federation (validation splits
     are drawn afterwards with the clients' federation positions). Cached per process: Ray actors serve
     many rounds."""
-    from ...runs.runner import build_federation_data
+    from ...runs.runner import build_external_clients, build_federation_data
 
     config = load_experiment(experiment)
-    data = {"domains": [config.data.domains[0] if external else domain], "val_fraction": 0.0}
+    if external:  # from its own domain's file only
+        return tuple(build_external_clients(config, _folder(config, data_dir), [domain]))
+    data = {"domains": [domain], "val_fraction": 0.0}
     only = config.model_copy(update={"data": config.data.model_copy(update=data),
-                                     "external": config.external.model_copy(update={"domains": [domain] if external
-                                                                                    else []})})
-    clients = build_federation_data(only, _folder(config, data_dir))
-    return tuple(c for c in clients if bool(c.meta.get("external")) == external)
+                                     "external": config.external.model_copy(update={"domains": []})})
+    return tuple(build_federation_data(only, _folder(config, data_dir)))
 
 
 def _client_at(config: ExperimentConfig, index: int, data_dir: str | None) -> ClientData:
