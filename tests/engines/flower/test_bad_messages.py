@@ -166,3 +166,31 @@ def test_validate_checks_without_changing_anything():
         server.validate(ClientReply("a", good, float("nan")))
     server.add(ClientReply("a", good, 1.0))  # nothing was summed by the failed checks
     assert torch.equal(server.finish()["w"], torch.ones(2, 2))
+
+
+def edit_message(edit):
+    def change(reply):
+        message = m.from_arrays(reply.content, m.ALGORITHM_MESSAGE)
+        edit(message)
+        reply.content[m.ALGORITHM_MESSAGE] = m.to_arrays(message)
+        return reply
+    return change
+
+
+@pytest.mark.parametrize("method, edit, reason", [
+    # HarmoFL's round-1 image amplitude: wrong shape, or missing
+    ("harmofl", lambda msg: msg.__setitem__("amp.client", msg["amp.client"][:, :5]), "shape"),
+    ("harmofl", lambda msg: msg.pop("amp.client"), "expected ['amp.client']"),
+    # SCAFFOLD's control-variate update in another dtype than the server's state
+    ("scaffold", lambda msg: msg.update({k: v.double() for k, v in msg.items()}), "float64"),
+])
+def test_a_bad_algorithm_message_drops_only_that_client(tmp_path, method, edit, reason):
+    config = tiny_config(THREE, f"methods=[{method}]", "federation.rounds=2", "federation.eval_every=2")
+
+    def tamper(node_id, msg, reply):
+        return edit_message(edit)(reply) if node_id == 101 and msg.metadata.group_id == "train-0" else reply
+
+    grid, cell = run_fake(tmp_path, config, tamper)
+    rounds = participation(cell)
+    assert [r["clients_used"] for r in rounds] == [2, 3]
+    assert list(rounds[0]["dropped"]) == ["rendered/neon"] and reason in rounds[0]["dropped"]["rendered/neon"]

@@ -351,8 +351,22 @@ class FlowerEngine:
     def _check_message(self, client: str, message: dict[str, torch.Tensor]) -> None:
         """The client algorithm's message must match its server state (SCAFFOLD's control variates)."""
         state = self.core.algorithm_server_state
-        for k, v in message.items():
-            if k.startswith("amp.") and (not v.is_floating_point() or not torch.isfinite(v).all()):
+        amplitudes = {k: v for k, v in message.items() if k.startswith("amp.")}
+        if self.core.method.amplitude_norm and "amp.global" not in self.core.input_state:
+            # HarmoFL's first round: every client sends its image amplitude (C x H x W of its images)
+            images = next(c.train.x for c in self.core.clients if c.name == client)
+            amp = amplitudes.get("amp.client")
+            if amp is None or set(amplitudes) != {"amp.client"}:
+                raise UpdateError(f"client {client!r} sent amplitude entries {sorted(amplitudes)}, expected "
+                                  "['amp.client'] in HarmoFL's first round")
+            if tuple(amp.shape) != tuple(images.shape[1:]):
+                raise UpdateError(f"client {client!r} sent an image amplitude of shape {tuple(amp.shape)}, expected "
+                                  f"{tuple(images.shape[1:])} (its images' C x H x W)")
+        elif amplitudes:
+            raise UpdateError(f"client {client!r} sent amplitude entries {sorted(amplitudes)} outside HarmoFL's "
+                              "first round (the global amplitude is frozen)")
+        for k, v in amplitudes.items():
+            if not v.is_floating_point() or not torch.isfinite(v).all():
                 raise UpdateError(f"client {client!r} sent an invalid image amplitude {k!r}")
         message = _algorithm_part(message)
         if not message:
@@ -366,6 +380,8 @@ class FlowerEngine:
             if v.shape != state[k].shape:
                 raise UpdateError(f"client {client!r} sent {k!r} with shape {tuple(v.shape)}, expected "
                                   f"{tuple(state[k].shape)}")
+            if v.dtype != state[k].dtype:
+                raise UpdateError(f"client {client!r} sent {k!r} as {v.dtype}, expected {state[k].dtype}")
             if v.is_floating_point() and not torch.isfinite(v).all():
                 raise UpdateError(f"client {client!r} sent non-finite values in its client-algorithm message {k!r}")
 
