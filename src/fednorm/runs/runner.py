@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -376,6 +377,7 @@ def resolved_hardware(config: ExperimentConfig) -> dict:
 
 def _write_run_info(run_dir: Path, data_dir: Path | None, config: ExperimentConfig) -> None:
     store.write_json(run_dir / RUN_INFO_FILE, {
+        "run_id": uuid.uuid4().hex,  # tells this run's state apart from another run's of the same config (Flower nodes)
         "data_dir": str(data_dir) if data_dir else None,
         "fednorm_version": __import__("fednorm").__version__,
         **resolved_hardware(config),

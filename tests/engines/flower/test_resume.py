@@ -73,6 +73,21 @@ def test_a_stopped_flower_run_with_client_state_resumes_to_the_in_process_number
     assert rounds == [1, 2, 3, 4]
 
 
+def test_two_runs_on_one_state_dir_keep_their_client_state_apart(tmp_path):
+    # the same method label and seed: a first run trains every client every round; in the second, half the
+    # clients a round, a client first sampled in a later round must start from the global model, not from the
+    # first run's snapshot of that round
+    state = str(tmp_path / "node_state")
+    first = tiny_config("methods=[fedbn]", "federation.rounds=4", "federation.checkpoint_every=10")
+    run_flower(first, tmp_path / "first", state)  # checkpoints far apart: the nodes keep every round's snapshot
+    config = tiny_config("methods=[fedbn]", "federation.rounds=4", "federation.eval_every=1",
+                         "federation.fraction=0.5")
+    start_run(config, tmp_path / "in_process")
+    run_flower(config, tmp_path / "second", state)
+    cell = f"fedbn/seed0/{store.METRICS_FILE}"
+    assert store.read_metrics(tmp_path / "second" / cell) == store.read_metrics(tmp_path / "in_process" / cell)
+
+
 def test_resume_without_node_state_is_refused_for_a_method_with_client_state(tmp_path):
     config = tiny_config("federation.rounds=4", "federation.checkpoint_every=2")
     with pytest.raises(Stop):

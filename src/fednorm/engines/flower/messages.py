@@ -79,12 +79,13 @@ class CellRequest:
     splits: tuple[str, ...] = ()
     external_modes: tuple[str, ...] = ()  # an external client's evaluation: under these modes
     round: int = -1  # rounds completed when the message is sent (where a node's saved client state applies)
+    run_id: str = ""  # the run folder's id (run.json): a node keeps each run's client state apart
 
     def record(self) -> ConfigRecord:
         return ConfigRecord({"experiment": self.experiment, "method": self.method, "seed": int(self.seed),
                              "client": self.client, "record_as": self.record_as or self.client,
                              "splits": list(self.splits), "external_modes": list(self.external_modes),
-                             "round": int(self.round)})
+                             "round": int(self.round), "run_id": self.run_id})
 
     @classmethod
     def decode(cls, content: RecordDict) -> "CellRequest":
@@ -93,7 +94,8 @@ class CellRequest:
             raise ValueError("the message has no 'cell' record: it was not sent by a fednorm ServerApp")
         return cls(str(record["experiment"]), str(record["method"]), int(record["seed"]), str(record["client"]),
                    str(record["record_as"]), tuple(str(s) for s in record["splits"]),
-                   tuple(str(s) for s in record.get("external_modes", [])), int(record.get("round", -1)))
+                   tuple(str(s) for s in record.get("external_modes", [])), int(record.get("round", -1)),
+                   str(record.get("run_id", "")))
 
 
 # ------------------------------------------------------------------------------------------ instructions
@@ -236,8 +238,12 @@ def decode_roster(content: RecordDict, node_id: int) -> list[RosterEntry]:
 
 
 # ------------------------------------------------------------------------------------------ client memory
-def memory_prefix(method: str, seed: int, client: str) -> str:
-    return f"fednorm/{method}/seed{seed}/{client}"
+def memory_prefix(cell: CellRequest, client: str) -> str:
+    """Where a node keeps ``client``'s memory for the cell: per run (two runs of one config on the same
+    ``state-dir`` never read each other's client state), method, seed and client. Runs started before run ids
+    existed keep their old place."""
+    run = f"{cell.run_id}/" if cell.run_id else ""
+    return f"fednorm/{run}{cell.method}/seed{cell.seed}/{client}"
 
 
 def save_memory(state: RecordDict, prefix: str, memory: ClientMemory) -> None:

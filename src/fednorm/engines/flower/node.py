@@ -284,7 +284,7 @@ class NodeClients:
 
         cell = m.CellRequest.decode(message.content)
         engine, _, client, spec = self._client(context, cell)
-        memory = self._load_memory(context, spec, m.memory_prefix(cell.method, cell.seed, client.name), cell.round)
+        memory = self._load_memory(context, spec, m.memory_prefix(cell, client.name), cell.round)
         affine = {k: memory.local_state[k] for k in bn_affine_keys(engine.model) if k in memory.local_state}
         return Message(RecordDict({m.CELL: cell.record(), m.BN_AFFINE: m.to_arrays(affine)}), reply_to=message)
 
@@ -310,7 +310,7 @@ class NodeClients:
         instructions = m.decode_instructions(message.content)
         server_state = m.from_arrays(message.content, m.SERVER_STATE)
         input_state = m.from_arrays(message.content, m.INPUT_STATE)
-        prefix = m.memory_prefix(cell.method, cell.seed, client.name)
+        prefix = m.memory_prefix(cell, client.name)
         memory = self._load_memory(context, spec, prefix, instructions.round)
         reply, algorithm_message, result = engine.runner.run(client, instructions, {**initial, **shared},
                                                              server_state, memory, input_state=input_state)
@@ -345,7 +345,7 @@ class NodeClients:
         else:
             if cell.record_as == client.name:
                 target = client
-                memory = self._load_memory(context, spec, m.memory_prefix(cell.method, cell.seed, client.name),
+                memory = self._load_memory(context, spec, m.memory_prefix(cell, client.name),
                                            cell.round)
                 if memory.local_state:
                     engine.local_states = {client.name: memory.local_state}

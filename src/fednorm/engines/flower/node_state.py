@@ -3,7 +3,7 @@
 Flower keeps a ClientApp's ``Context.state`` for one run only; a new ``flwr run`` (the resume of a stopped
 run) starts with an empty one. A node started with the node config ``state-dir=DIR`` therefore also writes
 each client's memory (:class:`~fednorm.engines.client_step.ClientMemory`: its local BN state, optimizer
-state, client-algorithm state) to ``DIR/<method>/seed<k>/<client>/round<r>.pt`` after training round r
+state, client-algorithm state) to ``DIR/fednorm/<run id>/<method>/seed<k>/<client>/round<r>.pt`` after round r
 (r rounds completed), and reads it back from there. The server resumes from its last checkpoint, which may
 be older than the node's newest snapshot; so a node reads the newest snapshot at or before the round it is
 asked about, deletes snapshots newer than the one it writes (they belong to rounds the resumed run redoes),

@@ -22,6 +22,7 @@ Policy for bad replies (logged, and recorded per round in ``participation.jsonl`
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field, replace
 from logging import INFO, WARNING
@@ -37,7 +38,7 @@ from ...methods.local_update import LocalResult
 from ...methods.server import ClientReply
 from ...runs import store
 from ...runs.config import ExperimentConfig, MethodConfig
-from ...runs.runner import CellResult, RunError, build_engine, execute, load_run_config, start_run
+from ...runs.runner import RUN_INFO_FILE, CellResult, RunError, build_engine, execute, load_run_config, start_run
 from ..simulation import Evaluation
 from . import messages as m
 from .node import check_flower_method, experiment_text
@@ -236,12 +237,13 @@ class FlowerEngine:
 
     def __init__(self, grid, roster: Roster, config: ExperimentConfig, method_cfg: MethodConfig, seed: int,
                  clients: list[ClientData], options: FlowerOptions = FlowerOptions(),
-                 cell_dir: Path | None = None) -> None:
+                 cell_dir: Path | None = None, run_id: str = "") -> None:
         check_flower_method(method_cfg)
         self.grid, self.roster, self.options = grid, roster, options
         self.core = build_engine(config, method_cfg, seed, clients, device="cpu")  # aggregation only: the host
         self.label, self.seed = method_cfg.display, seed
         self.experiment = experiment_text(config)
+        self.run_id = run_id
         self.participation_path = None if cell_dir is None else Path(cell_dir) / PARTICIPATION_FILE
         self._participation_checked = False  # rounds after the cell's checkpoint are dropped at the first write
 
@@ -252,7 +254,7 @@ class FlowerEngine:
     # -------------------------------------------------------------- messages
     def _cell(self, client: str, record_as: str = "", splits: tuple[str, ...] = ()) -> m.CellRequest:
         return m.CellRequest(self.experiment, self.label, self.seed, client, record_as or client, splits,
-                             round=self.core.round)
+                             round=self.core.round, run_id=self.run_id)
 
     def _global(self) -> ArrayRecord:
         return m.to_arrays({k: self.core.global_state[k] for k in self.core.shared_keys})
@@ -546,8 +548,11 @@ def run_experiment(grid, settings: ServerSettings, progress=None) -> list[CellRe
     clients = roster.wait_for_all()
 
     def build(cfg: ExperimentConfig, method_cfg: MethodConfig, seed: int, cell_clients: list[ClientData]):
+        # run.json exists by now (written when the run folder is made) and keeps its id across resumes
+        info = run_dir / RUN_INFO_FILE
+        run_id = json.loads(info.read_text()).get("run_id", "") if info.exists() else ""
         return FlowerEngine(grid, roster, cfg, method_cfg, seed, cell_clients, settings.options,
-                            store.cell_dir(run_dir, method_cfg.display, seed))
+                            store.cell_dir(run_dir, method_cfg.display, seed), run_id=run_id)
 
     if settings.resume:
         log(INFO, "fednorm: resuming %s from its checkpoints", run_dir)
