@@ -30,6 +30,8 @@ class FakeGrid(Grid):
                          for i, cfg in enumerate(node_configs)}
         self.tamper = tamper  # (node_id, message, reply) -> reply
         self.dead: set[int] = set()
+        self.offline: set[int] = set()  # nodes Flower no longer lists (missed heartbeats)
+        self.unavailable_errors = False  # answer a dead node's messages as the SuperLink does: NODE_UNAVAILABLE
         self.sent: list[Message] = []
         self.received: list[Message] = []
         self._replies: dict[str, Message] = {}
@@ -49,7 +51,16 @@ class FakeGrid(Grid):
     def get_node_ids(self):
         self._replies.update(self._late)
         self._late.clear()
-        return list(self.contexts)
+        return [n for n in self.contexts if n not in self.offline]
+
+    def restart(self, node: int, new_id: int | None = None) -> None:
+        """The SuperNode ``node`` restarts with an empty Context (its in-memory client state is gone), under its
+        old id (node authentication) or ``new_id``, with the same node config."""
+        config = self.contexts.pop(node).node_config
+        nid = node if new_id is None else new_id
+        self.contexts[nid] = Context(run_id=1, node_id=nid, node_config=config, state=RecordDict(), run_config={})
+        self.dead -= {node, nid}
+        self.offline -= {node, nid}
 
     def push_messages(self, messages):
         ids = []
@@ -59,6 +70,9 @@ class FakeGrid(Grid):
             node = msg.metadata.dst_node_id
             ids.append(msg.metadata.message_id)
             if node in self.dead:
+                if self.unavailable_errors:
+                    self._replies[msg.metadata.message_id] = Message(
+                        Error(code=5, reason="node unavailable"), reply_to=msg)
                 continue
             try:
                 reply = self.client_app(msg, self.contexts[node])

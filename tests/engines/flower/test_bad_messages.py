@@ -194,3 +194,37 @@ def test_a_bad_algorithm_message_drops_only_that_client(tmp_path, method, edit, 
     rounds = participation(cell)
     assert [r["clients_used"] for r in rounds] == [2, 3]
     assert list(rounds[0]["dropped"]) == ["rendered/neon"] and reason in rounds[0]["dropped"]["rendered/neon"]
+
+
+def run_with_restart(tmp_path, config, events, unavailable_errors=False):
+    """A run over three nodes where ``events[round]`` acts on the grid after that round (kill, take offline,
+    restart)."""
+    grid = FakeGrid(make_client_app(), [{"client-index": i} for i in range(3)])
+    grid.unavailable_errors = unavailable_errors
+    out = tmp_path / "run"
+    run_experiment(grid, ServerSettings(experiment_text(config), str(out), FlowerOptions(round_timeout=0.5,
+                                                                                         node_wait=5)),
+                   lambda label, seed, rnd, rounds, last: events.get(rnd, lambda g: None)(grid))
+    return participation(out / config.methods[0].display / "seed0")
+
+
+def test_a_supernode_restarted_under_a_new_id_takes_its_clients_back(tmp_path):
+    config = tiny_config(THREE, "federation.rounds=3", "federation.eval_every=3")
+    rounds = run_with_restart(tmp_path, config, {
+        1: lambda g: (g.dead.add(102), g.offline.add(102)),  # dies after round 1; Flower stops listing it
+        2: lambda g: g.restart(102, new_id=103)})  # a new SuperNode (new id) for the same client
+    assert [r["clients_used"] for r in rounds] == [3, 2, 3]
+    assert rounds[1]["dropped"] == {"rendered/synth": "no live node holds it"}
+
+
+@pytest.mark.parametrize("unavailable_errors", [False, True])
+def test_a_supernode_restarted_under_its_id_is_asked_again(tmp_path, unavailable_errors):
+    # it dies after round 1: its round-2 message goes unanswered (or Flower answers NODE_UNAVAILABLE); Flower then
+    # lists it offline, and after round 3 it is back under the same id (node authentication) with an empty Context
+    config = tiny_config(THREE, "federation.rounds=4", "federation.eval_every=4")
+    rounds = run_with_restart(tmp_path, config, {
+        1: lambda g: g.dead.add(102), 2: lambda g: g.offline.add(102), 3: lambda g: g.restart(102)},
+        unavailable_errors)
+    assert [r["clients_used"] for r in rounds] == [3, 2, 2, 3]
+    assert ("node unavailable" if unavailable_errors else "no reply within") in rounds[1]["dropped"]["rendered/synth"]
+

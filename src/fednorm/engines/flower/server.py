@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, Message, MessageType, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 
 from ...data.domain import ClientData, Split
@@ -139,11 +140,21 @@ class Roster:
         self.known: set[int] = set()
         self.online: set[int] = set()  # nodes Flower reports online (their heartbeats arrive)
         self.lost: dict[int, list[str]] = {}  # node -> ids of its messages left unanswered
+        self.gone: set[int] = set()  # lost nodes Flower has since reported offline (dead, not only slow)
 
     def discover(self) -> None:
-        """Take back lost nodes that answered since, and ask every node not seen before which clients it holds."""
+        """Take back lost nodes that answered since, ask a lost node that went offline and came back (a
+        restarted SuperNode keeping its id under node authentication) again, and ask every node not seen
+        before which clients it holds."""
         self.online = set(self.grid.get_node_ids())
         self.revive()
+        self.gone |= {n for n in self.lost if n not in self.online}
+        for node in sorted(self.gone & self.online):
+            # restarted: its clients' in-memory state died with it (state-dir keeps it on disk); asked afresh
+            log(WARNING, "fednorm: node %s is back after going offline; it is asked which clients it holds", node)
+            self.gone.discard(node)
+            self.lost.pop(node, None)
+            self.known.discard(node)
         new = [n for n in self.online if n not in self.known]
         if not new:
             return
@@ -176,7 +187,9 @@ class Roster:
                         "clients; ignored", node, e.name, e.index, self.expected)
                     continue
                 old = self.node_of.get(e.name)
-                if old is not None and old not in self.lost and old != node:
+                # a client "held by two nodes" only while its old node is live: a node Flower reports offline
+                # (a SuperNode restarted under a new id) has handed its clients on
+                if old is not None and old not in self.lost and old in self.online and old != node:
                     raise RunError(f"client {e.name!r} is held by two nodes ({old} and {node}); give each SuperNode "
                                    "its own clients in --node-config")
                 if old is not None and old != node:
@@ -280,6 +293,8 @@ class FlowerEngine:
         for key, reply in received.items():
             if reply.has_error():
                 dropped[key] = _error_text(reply)
+                if reply.error.code == ErrorCode.NODE_UNAVAILABLE:  # Flower: the node missed its heartbeats
+                    self.roster.lose(self.roster.node_of[client_of[key]])
             else:
                 replies[key] = reply
         return replies, dropped
