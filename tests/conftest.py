@@ -61,3 +61,19 @@ def tiny_clients() -> list[ClientData]:
         ClientData(f"c{i}", f"d{i}", make_split(n, seed=i, shift=40.0 * i), make_split(20, seed=100 + i, shift=40.0 * i))
         for i, n in enumerate([24, 16, 20])
     ]
+
+
+def record_client_messages(engine) -> list[dict]:
+    """Make ``engine`` (in-process) keep every client's message to the server (HarmoFL's amplitude, SCAFFOLD's
+    control-variate update, ...) in the returned list, in the order the clients train."""
+    messages: list[dict] = []
+    run = engine.runner.run
+
+    def recording(*args, **kwargs):
+        reply, message, result = run(*args, **kwargs)
+        messages.append(message)
+        return reply, message, result
+
+    engine.runner.run = recording
+    return messages
+

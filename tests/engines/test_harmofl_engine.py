@@ -10,7 +10,7 @@ from fednorm.methods import LocalTraining, resolve_method, train_locally
 from fednorm.methods.amplitude import amplitude
 from fednorm.models import DigitCNN
 
-from ..conftest import make_split
+from ..conftest import make_split, record_client_messages
 
 TRAIN = LocalTraining(batch_size=8, lr=0.05)
 
@@ -43,15 +43,7 @@ def test_amplitude_normalization_protocol(tiny_clients):
     eng = InProcessEngine(DigitCNN(width=0.125), tiny_clients, resolve_method("harmofl"), TRAIN,
                           Federation(seed=0, channels_last=False), normalize_batch)
     assert eng.input_state == {}
-    seen = []
-    real = eng.runner.run
-
-    def spy(*args, **kwargs):
-        reply, message, result = real(*args, **kwargs)
-        seen.append(message)
-        return reply, message, result
-
-    eng.runner.run = spy
+    seen = record_client_messages(eng)
     eng.run_round()
     client_amps = [m["amp.client"] for m in seen]
     assert len(client_amps) == 3 and not torch.allclose(client_amps[0], client_amps[2])  # brightness-shifted

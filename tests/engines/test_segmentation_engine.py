@@ -10,6 +10,8 @@ from fednorm.methods import LocalTraining, resolve_method
 from fednorm.methods.tasks import Task
 from fednorm.models.unet import UNet
 
+from ..conftest import record_client_messages
+
 SIDE = 16
 
 
@@ -90,15 +92,7 @@ def test_fedbn_keeps_batchnorm_local_on_the_unet():
 
 def test_harmofl_runs_on_segmentation():
     eng = engine("harmofl", Task("segmentation", "ce_dice", "code"))
-    messages = []
-    real = eng.runner.run
-
-    def spy(*args, **kwargs):
-        reply, message, result = real(*args, **kwargs)
-        messages.append(message)
-        return reply, message, result
-
-    eng.runner.run = spy
+    messages = record_client_messages(eng)
     eng.run_round()
     # the global amplitude is the uniform mean of the three sites' round-1 amplitudes (Alg. 1 line 17)
     client_amps = [m["amp.client"] for m in messages]

@@ -38,13 +38,18 @@ def participation(cell):
     return [r for r in store.read_metrics(cell / PARTICIPATION_FILE) if r["kind"] == "train"]
 
 
-def edit_state(edit):
+def edit_arrays(record: str, edit):
+    """A tamper hook applying ``edit`` to one array record of a reply (its state, or its algorithm message)."""
     def change(reply):
-        state = m.from_arrays(reply.content, m.STATE)
-        edit(state)
-        reply.content[m.STATE] = m.to_arrays(state)
+        arrays = m.from_arrays(reply.content, record)
+        edit(arrays)
+        reply.content[record] = m.to_arrays(arrays)
         return reply
     return change
+
+
+def edit_state(edit):
+    return edit_arrays(m.STATE, edit)
 
 
 def first_conv(state):
@@ -168,15 +173,6 @@ def test_validate_checks_without_changing_anything():
     assert torch.equal(server.finish()["w"], torch.ones(2, 2))
 
 
-def edit_message(edit):
-    def change(reply):
-        message = m.from_arrays(reply.content, m.ALGORITHM_MESSAGE)
-        edit(message)
-        reply.content[m.ALGORITHM_MESSAGE] = m.to_arrays(message)
-        return reply
-    return change
-
-
 @pytest.mark.parametrize("method, edit, reason", [
     # HarmoFL's round-1 image amplitude: wrong shape, or missing
     ("harmofl", lambda msg: msg.__setitem__("amp.client", msg["amp.client"][:, :5]), "shape"),
@@ -188,7 +184,7 @@ def test_a_bad_algorithm_message_drops_only_that_client(tmp_path, method, edit, 
     config = tiny_config(THREE, f"methods=[{method}]", "federation.rounds=2", "federation.eval_every=2")
 
     def tamper(node_id, msg, reply):
-        return edit_message(edit)(reply) if node_id == 101 and msg.metadata.group_id == "train-0" else reply
+        return edit_arrays(m.ALGORITHM_MESSAGE, edit)(reply) if node_id == 101 and msg.metadata.group_id == "train-0" else reply
 
     grid, cell = run_fake(tmp_path, config, tamper)
     rounds = participation(cell)
