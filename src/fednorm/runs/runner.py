@@ -375,6 +375,11 @@ def resolved_hardware(config: ExperimentConfig) -> dict:
     }
 
 
+def _write_config(run_dir: Path, config: ExperimentConfig) -> None:
+    """The run's resolved config.yaml, written atomically (start, ``--rounds``, ``--on-divergence``)."""
+    store.write_text(run_dir / store.CONFIG_FILE, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+
+
 def _write_run_info(run_dir: Path, data_dir: Path | None, config: ExperimentConfig) -> None:
     store.write_json(run_dir / RUN_INFO_FILE, {
         "run_id": uuid.uuid4().hex,  # tells this run's state apart from another run's of the same config (Flower nodes)
@@ -403,7 +408,7 @@ def start_run(
             resolved = resolve_data_dir(data_dir or config.data.data_dir)
         clients = build_federation_data(config, resolved)  # before writing anything: bad data leaves no folder
     run_dir.mkdir(parents=True, exist_ok=True)
-    store.write_text(run_dir / store.CONFIG_FILE, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    _write_config(run_dir, config)
     _write_run_info(run_dir, resolved, config)
     return execute(run_dir, config, resolved, progress, clients=clients, build=build)
 
@@ -511,7 +516,7 @@ def resume_run(run_dir: Path, data_dir: str | None = None, progress: ProgressFn 
     if on_divergence is not None and on_divergence != config.federation.on_divergence:
         config = validate(config.model_dump(mode="json") | {
             "federation": config.federation.model_dump(mode="json") | {"on_divergence": on_divergence}})
-        store.write_text(run_dir / store.CONFIG_FILE, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+        _write_config(run_dir, config)
     config = with_device(config, device)
     return execute(run_dir, config, run_data_dir(run_dir, config, data_dir), progress)
 
@@ -543,7 +548,7 @@ def extend_rounds(run_dir: Path, config: ExperimentConfig, rounds: int) -> Exper
                 raise RunError(f"{cell} finished at round {old} but its {store.CHECKPOINT_FILE} is gone, so it cannot "
                                f"go on to round {rounds}; start a new run")
     extended = config.model_copy(update={"federation": config.federation.model_copy(update={"rounds": rounds})})
-    store.write_text(run_dir / store.CONFIG_FILE, yaml.safe_dump(extended.model_dump(mode="json"), sort_keys=False))
+    _write_config(run_dir, extended)
     info_path = run_dir / RUN_INFO_FILE
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
     info.setdefault("extended", []).append({"from": old, "to": rounds})

@@ -312,14 +312,18 @@ class FlowerEngine:
             m.GLOBAL: shared, m.SERVER_STATE: server_state, m.INPUT_STATE: input_state}))
             for client, instructions in plan]
         replies, dropped = self._send(MessageType.TRAIN, sends, group=f"train-{r}")
+        # a node whose local training raised DivergenceError (NaN/inf loss) answers with an error naming it
+        # (flwr: "<class '...DivergenceError'>:<'...'>"). As in-process, that is the run's divergence, which
+        # federation.on_divergence settles (runner.run_cell: stop with an error, or record the cell), not a faulty
+        # node to leave out; the global model and the round stay as they were. A reply whose entries are NaN/inf
+        # is a malformed message instead (a faulty node or link: the server cannot tell), left out like any other
+        diverged = next(((name, reason) for name, reason in dropped.items() if "DivergenceError" in reason), None)
+        if diverged:
+            raise DivergenceError(f"client {diverged[0]!r}, on its node: {diverged[1]}")
         if core.shared_keys:
             core.server.begin(core.global_state)  # validate() checks replies against this round's global state
         accepted: list[tuple[ClientReply, dict, LocalResult]] = []
         received: set[str] = set()
-        # a node whose local training raised DivergenceError (NaN/inf loss) answers with an error naming it
-        # (flwr: "<class '...DivergenceError'>:<'...'>"). A reply whose entries are NaN/inf is a malformed
-        # message instead (a faulty node or link: the server cannot tell), left out like any other
-        diverged = {name: reason for name, reason in dropped.items() if "DivergenceError" in reason}
         for client, instructions in plan:
             if client.name not in replies:
                 continue
@@ -333,12 +337,6 @@ class FlowerEngine:
                 dropped[client.name] = str(exc)
                 continue
             accepted.append((reply, message, result))
-        if diverged:
-            # as in-process: a client whose training diverged is the run's divergence, which
-            # federation.on_divergence settles (runner.run_cell: stop with an error, or record the cell), not a
-            # faulty node to leave out; the global model and the round stay as they were
-            name, reason = next(iter(diverged.items()))
-            raise DivergenceError(f"client {name!r}, on its node: {reason}")
         for client, reason in dropped.items():
             log(WARNING, "fednorm: round %s: client %r left out of the round: %s", r + 1, client, reason)
         if dropped and accepted:
