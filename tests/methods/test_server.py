@@ -79,6 +79,44 @@ def test_fednova_equals_fedavg_with_equal_steps_and_normalizes_unequal_ones():
     torch.testing.assert_close(new["w"], x - tau_eff * d)
 
 
+def test_an_attack_on_the_statistics_leaves_the_server_optimizer_in_place():
+    """A threat aimed at BN statistics only must not turn FedAdam / FedNova into the plain mean: the
+    parameters move exactly as without the threat."""
+    state = {"w": torch.tensor([0.5, -0.5], dtype=D), "bn.running_mean": torch.zeros(2, dtype=D),
+             "bn.running_var": torch.ones(2, dtype=D)}
+    threat = Threat("sign_flip", ("c2",))
+
+    def one_round(spec, threat):
+        server = ServerUpdate(spec, state, param_keys={"w"}, threat=threat)
+        server.begin(state)
+        for i, (delta, steps) in enumerate([(0.2, 4), (-0.1, 1), (0.3, 2)]):
+            reply = {k: v + delta for k, v in state.items()}
+            server.add(ClientReply(f"c{i}", reply, 1 / 3, steps))
+        return server.finish()
+
+    for spec in (ServerSpec("fedadam", lr=0.1), ServerSpec("fedavgm", lr=0.5, momentum=0.9), ServerSpec("fednova")):
+        clean, attacked = one_round(spec, Threat()), one_round(spec, threat)
+        torch.testing.assert_close(attacked["w"], clean["w"])
+        assert not torch.equal(attacked["bn.running_mean"], clean["bn.running_mean"])
+    # FedAdam's first step by hand: Delta = mean delta = 0.4 / 3, m = 0.1 Delta, v = 0.99 tau^2 + 0.01 Delta^2
+    delta = 0.4 / 3
+    m, v = 0.1 * delta, 0.99 * 1e-6 + 0.01 * delta**2
+    expected = state["w"] + 0.1 * m / (math.sqrt(v) + 1e-3)
+    torch.testing.assert_close(one_round(ServerSpec("fedadam", lr=0.1), threat)["w"], expected)
+
+
+def test_fednova_under_a_parameter_attack_normalizes_every_reply_by_its_own_steps():
+    """With SF on the parameters, FedNova divides each (attacked) pseudo-gradient by its a_k."""
+    x = torch.zeros(1, dtype=D)
+    values = [torch.tensor([-4.0], dtype=D), torch.tensor([-1.0], dtype=D), torch.tensor([9.0], dtype=D)]
+    threat = Threat("sign_flip", ("c2",), targets=("parameters",))
+    new, _ = _run(ServerSpec("fednova"), x, values, weights=[0.25, 0.25, 0.5], steps=[4, 1, 2], threat=threat)
+    # pseudo-gradients x - x_k: 4, 1, and the attacker's -(mean of honest) = -2.5; each divided by a_k = tau_k
+    d = 0.25 * 4 / 4 + 0.25 * 1 / 1 + 0.5 * -2.5 / 2
+    tau_eff = 0.25 * 4 + 0.25 * 1 + 0.5 * 2
+    torch.testing.assert_close(new["w"], x - tau_eff * d)
+
+
 def test_fednova_momentum_norm_is_the_displacement_of_sgd_under_a_constant_gradient():
     rho, lr, tau = 0.9, 0.1, 7
     w = torch.zeros(1, requires_grad=True)

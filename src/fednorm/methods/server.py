@@ -345,7 +345,16 @@ class ServerUpdate:
                              for r in replies])
             if byz and "parameters" in self.threat.targets:
                 g[byz] = self._attack(g[honest], len(byz), n)
+            nova = self.spec.rule == "fednova"
+            if nova:
+                # FedNova on the (possibly attacked, robustly reduced) pseudo-gradients: each client's
+                # parameter entries divided by its ||a_k||_1, the reduced direction scaled by tau_eff
+                a = torch.tensor([fednova_norm(r.num_steps, self.schedule) for r in replies], dtype=torch.float64)
+                columns = torch.cat([torch.full((self._global[k].numel(),), k in self.param_keys) for k in self.vector_keys])
+                g[:, columns] /= a.unsqueeze(1)
             step = reduce(g, robust=self.spec.robust_scope == "all")
+            if nova:
+                step[columns] *= float((weights * a).sum() / weights.sum())
             flat = x - step
             offset = 0
             for k in self.vector_keys:
@@ -371,6 +380,9 @@ class ServerUpdate:
         for k in self.keys:
             if k not in new:  # integer counters
                 new[k] = torch.stack([r.state[k] for r in replies]).amax(dim=0)
+        if self.spec.rule in SERVER_OPTIMIZERS:
+            # the server optimizer steps on the collected mean (or robust aggregate) as on the plain one
+            self._server_optimizer_step(new)
         return self._cast(new)
 
     def _attack(self, honest: Tensor, f: int, n: int) -> Tensor:
