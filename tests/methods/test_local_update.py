@@ -186,3 +186,22 @@ def test_auto_precision_follows_the_device_that_trains_not_another_in_the_machin
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
     assert local_update.resolve_precision("auto", "cuda") == "fp32"
+
+
+def test_weight_perturbation_counts_each_batch_once_in_the_batchnorm_statistics():
+    """HarmoFL's second (perturbed) pass leaves BN running statistics as the first pass set them: after one
+    step they are BatchNorm's momentum update with the batch at theta, counted once."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 26 * 26, 10))
+    data = make_split(8, seed=1)
+    x = normalize_batch(data.x)
+    with torch.no_grad():
+        h = model[0](x)
+    mean, var = h.mean(dim=(0, 2, 3)), h.var(dim=(0, 2, 3), unbiased=True)
+    cfg = LocalTraining(batch_size=8, lr=0.1)
+    train_locally(model, data, cfg, generator=torch.Generator().manual_seed(0), prepare=normalize_batch,
+                  weight_perturbation=0.05)
+    bn = model[1]
+    assert int(bn.num_batches_tracked) == 1
+    torch.testing.assert_close(bn.running_mean, 0.1 * mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bn.running_var, 0.9 + 0.1 * var, rtol=1e-5, atol=1e-6)

@@ -19,8 +19,9 @@ variant is not offered.)
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -166,6 +167,21 @@ def has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, _BatchNorm) for m in model.modules())
 
 
+@contextmanager
+def bn_statistics_kept(model: nn.Module) -> Iterator[None]:
+    """Forward passes inside leave every BatchNorm layer's running statistics and batch counter as they
+    were (they still normalize with their batch statistics in training mode): the second, perturbed pass
+    of SAM / HarmoFL's weight perturbation, whose activations at theta + delta are not the model's."""
+    saved = [(b, b.clone()) for m in model.modules() if isinstance(m, _BatchNorm)
+             for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
 def batch_schedule(
     n: int, cfg: LocalTraining, generator: torch.Generator, guard_single: bool
 ) -> list[torch.Tensor]:
@@ -242,7 +258,10 @@ def train_locally(
     ``context`` adds a client algorithm's hooks (:mod:`fednorm.methods.client_algorithms`); its message to
     the server is left in ``context.scratch["message"]``. ``weight_perturbation`` > 0 is HarmoFL's alpha:
     every step's gradient is taken at theta + alpha g/||g|| (:mod:`fednorm.methods.weight_perturbation`),
-    two forward/backward passes per step; both passes update BatchNorm statistics, as the official code.
+    two forward/backward passes per step. Only the first pass updates BatchNorm running statistics (the
+    common SAM practice): the official code's BN keeps none (``track_running_stats=False``, our
+    ``model.bn_mode: batch``), so it does not decide this; letting the perturbed pass update them too
+    would count every batch twice, the second time with the activations of theta + delta.
     """
     model.train()
     if freeze_bn_stats:
@@ -306,7 +325,8 @@ def train_locally(
             perturbation.perturb()
             optimizer.zero_grad(set_to_none=True)
             try:
-                training_loss(x, y).backward()
+                with bn_statistics_kept(model):
+                    training_loss(x, y).backward()
             finally:
                 perturbation.restore()  # the step starts from theta, with the gradient of theta + delta
         if prox and not (prox_skip_epoch_start and step % per_epoch == 0):
