@@ -47,6 +47,17 @@ def test_the_final_classifier_is_excluded_by_default():
     assert len(agc_parameters(model, exclude_head=False)) == 6
 
 
+def test_a_convolutional_head_is_the_classifier_excluded():
+    """The U-Net has no Linear layer: its 1 x 1 output conv (``head``) is the classifier AGC leaves alone."""
+    from fednorm.models.unet import UNet
+
+    model = UNet(num_classes=2, norm="none", width=0.125)
+    assert head_parameter_names(model) == {"head.weight", "head.bias"}
+    kept = {id(p) for p in agc_parameters(model)}
+    assert id(model.head.weight) not in kept
+    assert len(kept) == len(list(model.parameters())) - 2
+
+
 def test_lambda_must_be_positive():
     with pytest.raises(ValueError, match="lambda"):
         clip_unitwise_([nn.Parameter(torch.ones(2))], clip=0.0)

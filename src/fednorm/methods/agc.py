@@ -47,7 +47,12 @@ def clip_unitwise_(params: Iterable[torch.Tensor], clip: float, eps: float = AGC
 
 
 def head_parameter_names(model: nn.Module) -> set[str]:
-    """Names of the parameters of the model's final classifier: the last ``nn.Linear`` registered."""
+    """Names of the parameters of the model's final classifier: the submodule the model names ``head``
+    when it has one (the U-Net's 1 x 1 output conv, a per-pixel classifier), else the last ``nn.Linear``
+    registered (the digit CNN, AlexNet, ResNet, DenseNet)."""
+    head = getattr(model, "head", None)
+    if isinstance(head, nn.Module):
+        return {f"head.{n}" for n, _ in head.named_parameters()}
     last = None
     for prefix, module in model.named_modules():
         if isinstance(module, nn.Linear):
