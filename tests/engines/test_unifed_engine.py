@@ -13,6 +13,8 @@ from fednorm.methods.client_algorithms import ClientSpec
 from fednorm.methods.presets import Method
 from fednorm.models import DigitCNN
 
+from ..conftest import make_split
+
 TRAIN = LocalTraining(batch_size=8, lr=0.05)
 SPECS = {
     "moon": ClientSpec("moon"),
@@ -88,7 +90,7 @@ def test_perfedavg_personalizes_before_evaluation(tiny_clients):
         torch.testing.assert_close(plain.global_state[k], v)
     a, p = adapted.evaluate(("test",)), plain.evaluate(("test",))
     assert any(x.loss != y.loss for x, y in zip(a, p))
-    held = adapted.algorithm.evaluation_holdout(tiny_clients[0])["test"]
+    held = adapted.algorithm.evaluation_holdout(tiny_clients[0], "test")
     assert len(held) == 8
     # the 8 labelled test samples the client adapted on are left out of its test metric (20 - 8 = 12)
     assert [x.num_examples for x in a if x.split == "test"] == [12] * len(tiny_clients)
@@ -98,11 +100,35 @@ def test_perfedavg_personalizes_before_evaluation(tiny_clients):
     keep[held] = False
     prepare = adapted.runner.evaluation_prepare(adapted.input_state)
     adapted.load_client(client.name)
-    adapted.algorithm.adapt_for_evaluation(adapted.model, client, prepare, adapted.training.lr)
+    adapted.algorithm.adapt_for_evaluation(adapted.model, client, prepare, adapted.training.lr, "test")
     rest = type(client.test)(client.test.x[keep], client.test.y[keep])
     acc, loss = adapted.evaluate_split(rest, prepare)
     c0 = next(x for x in a if x.client == client.name and x.split == "test")
     assert (c0.accuracy, c0.loss) == pytest.approx((acc, loss), rel=1e-6)
+
+
+def test_perfedavg_validation_metric_adapts_on_validation_samples_not_test_ones(tiny_clients):
+    """The validation metric picks the reported round, so it must not come from a model adapted on test
+    labels: each split is scored after adapting on its own labelled samples, which it then leaves out."""
+    clients = [replace(c, val=make_split(12, seed=200 + i, shift=40.0 * i)) for i, c in enumerate(tiny_clients)]
+    e = engine(clients, method("perfedavg", "local_bn", perfedavg_eval_batch=4))
+    e.run_round()
+    client = clients[0]
+    scores = {(x.client, x.split): x for x in e.evaluate(("test", "val"))}
+    prepare = e.runner.evaluation_prepare(e.input_state)
+    for split in ("test", "val"):
+        data = getattr(client, split)
+        keep = torch.ones(len(data), dtype=torch.bool)
+        keep[e.algorithm.adaptation_index(len(data))] = False
+        e.load_client(client.name)
+        with torch.no_grad():
+            before = {k: v.clone() for k, v in e.model.state_dict().items()}
+        e.algorithm.adapt_for_evaluation(e.model, client, prepare, e.training.lr, split)
+        assert any(not torch.equal(before[k], v) for k, v in e.model.state_dict().items())
+        acc, loss = e.evaluate_split(type(data)(data.x[keep], data.y[keep]), prepare)
+        got = scores[(client.name, split)]
+        assert got.num_examples == int(keep.sum())
+        assert (got.accuracy, got.loss) == pytest.approx((acc, loss), rel=1e-6)
 
 
 def test_cross_device_refuses_stateful_moon_and_feddc_but_runs_perfedavg(tiny_clients):

@@ -285,7 +285,7 @@ def test_perfedavg_uses_a_batch_too_small_to_split_whole():
 def test_perfedavg_evaluation_steps_on_labelled_test_samples_and_their_holdout():
     model = linear(2)
     start = [p.detach().clone() for p in model.parameters()]
-    client = ClientData("c", "d", tiny_split(12, 9), tiny_split(10, 10))
+    client = ClientData("c", "d", tiny_split(12, 9), tiny_split(10, 10), tiny_split(6, 11))
     alpha = 0.3
     algo = ClientSpec("perfedavg", perfedavg_alpha=alpha, perfedavg_eval_steps=2, perfedavg_eval_batch=4,
                       perfedavg_eval_seed=5).build()
@@ -297,7 +297,19 @@ def test_perfedavg_evaluation_steps_on_labelled_test_samples_and_their_holdout()
         theta = [t - alpha * gi for t, gi in zip(theta, g)]
     for p, t in zip(model.parameters(), theta):
         torch.testing.assert_close(p.detach(), t, rtol=1e-5, atol=1e-6)
-    assert torch.equal(algo.evaluation_holdout(client)["test"], index)
+    assert torch.equal(algo.evaluation_holdout(client, "test"), index)
+    # the validation metric adapts on the validation split's own samples (no test label in model selection)
+    model_val = linear(2)
+    model_val.load_state_dict(dict(zip([n for n, _ in model.named_parameters()], start)))
+    algo.adapt_for_evaluation(model_val, client, prepare, lr=99.0, split="val")
+    index_val = torch.randperm(6, generator=torch.Generator().manual_seed(5))[:4].sort().values
+    theta = start
+    for _ in range(2):
+        g, _ = grad_at(model_val, theta, prepare(client.val.x[index_val]), client.val.y[index_val])
+        theta = [t - alpha * gi for t, gi in zip(theta, g)]
+    for p, t in zip(model_val.parameters(), theta):
+        torch.testing.assert_close(p.detach(), t, rtol=1e-5, atol=1e-6)
+    assert torch.equal(algo.evaluation_holdout(client, "val"), index_val)
 
 
 def test_perfedavg_evaluation_on_training_data_holds_out_nothing():
@@ -309,7 +321,7 @@ def test_perfedavg_evaluation_on_training_data_holds_out_nothing():
     g, _ = grad_at(model, start, prepare(client.train.x), client.train.y)
     for p, t, gi in zip(model.parameters(), start, g):
         torch.testing.assert_close(p.detach(), t - 0.3 * gi, rtol=1e-5, atol=1e-6)
-    assert algo.evaluation_holdout(client) == {}
+    assert algo.evaluation_holdout(client, "test") is None
 
 
 def test_stateful_flags():

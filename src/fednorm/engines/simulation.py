@@ -332,15 +332,22 @@ class InProcessEngine:
         out: list[Evaluation] = []
         prepare = self.runner.evaluation_prepare(self.input_state)
         for client in self.eval_clients:
-            self.load_client(client.name)
-            self.algorithm.adapt_for_evaluation(self.model, client, prepare, self.training.lr)
-            # samples a client adapted on before testing (Per-FedAvg) are left out of its metrics
-            held = self.algorithm.evaluation_holdout(client)
+            loaded = False
             for split in splits:
                 data = getattr(client, split)
-                if data is not None and split in held:
-                    data = _without(data, held[split])
-                if data is None or len(data) == 0:
+                if data is None:
+                    continue
+                # an algorithm that adapts the model before scoring (Per-FedAvg) adapts afresh on each split's
+                # own samples (the validation metric picks the reported round: it must not see test labels)
+                if not loaded or self.algorithm.adapts_at_evaluation:
+                    self.load_client(client.name)
+                    self.algorithm.adapt_for_evaluation(self.model, client, prepare, self.training.lr, split)
+                    loaded = True
+                # the samples it adapted on are left out of that split's metric
+                held = self.algorithm.evaluation_holdout(client, split)
+                if held is not None:
+                    data = _without(data, held)
+                if len(data) == 0:
                     continue
                 acc, loss = self.evaluate_split(data, prepare)
                 out.append(Evaluation(client.name, split, acc, loss, len(data), self.training.task.metric))
@@ -383,9 +390,9 @@ class InProcessEngine:
         local = [self.local_states[c.name] for c in self.clients if c.name in self.local_states]
         states = self.external_affine or (local if self.bn_affine_is_local else []) or [self.global_state]
         self.model.load_state_dict(self.global_state)
-        self.algorithm.adapt_for_evaluation(self.model, client, prepare, self.training.lr)
+        self.algorithm.adapt_for_evaluation(self.model, client, prepare, self.training.lr, "test")
         data = client.test
-        held = self.algorithm.evaluation_holdout(client).get("test")
+        held = self.algorithm.evaluation_holdout(client, "test")
         if held is not None:
             data = _without(data, held)
         if len(data) == 0:

@@ -55,9 +55,11 @@ class ClientSpec:
     perfedavg_variant: str = "fo"  # "fo": first-order (FO) approximation; "hf": Hessian-free (HF) variant
     perfedavg_delta: float = 0.001  # HF's finite-difference radius delta
     # Per-FedAvg at evaluation: this many SGD steps with lr alpha on perfedavg_eval_batch labelled samples of
-    # the client's "test" split (UniFed: "extra SGD update steps using several labeled test data"; the engine
-    # must leave them out of the test metric, see evaluation_holdout) or of its "train" split (the alternative
-    # reading of Per-FedAvg's "one step of local SGD at test time": the client's own training data)
+    # the split being scored ("test": UniFed's "extra SGD update steps using several labeled test data" for the
+    # test metric; the validation metric, which selects the reported round, adapts on validation samples, so no
+    # test label reaches model selection; the engine leaves them out of that split's metric, see
+    # evaluation_holdout) or of its "train" split (the alternative reading of Per-FedAvg's "one step of local
+    # SGD at test time": the client's own training data, for every split)
     perfedavg_eval_steps: int = 1
     perfedavg_eval_batch: int = 32
     perfedavg_eval_data: str = "test"
@@ -155,14 +157,17 @@ class ClientAlgorithm:
         """The shared entries the client sends (FedDC sends theta_i + h_i); by default its trained state."""
         return state
 
-    def adapt_for_evaluation(self, model: nn.Module, data, prepare, lr: float) -> None:
-        """Change the loaded model of a client in place just before it is evaluated (Per-FedAvg's
+    # whether adapt_for_evaluation changes the model: the engine then reloads the client before each split
+    adapts_at_evaluation = False
+
+    def adapt_for_evaluation(self, model: nn.Module, data, prepare, lr: float, split: str = "test") -> None:
+        """Change the loaded model of a client in place just before its ``split`` is evaluated (Per-FedAvg's
         personalization steps). By default nothing: the client is evaluated as it is."""
 
-    def evaluation_holdout(self, data) -> dict[str, Tensor]:
-        """Indices, per split name, of the samples ``adapt_for_evaluation`` learned from on the client ``data``
-        (a ClientData): the engine must leave them out of that split's metric. By default none."""
-        return {}
+    def evaluation_holdout(self, data, split: str = "test") -> Tensor | None:
+        """Indices of the samples of ``split`` that ``adapt_for_evaluation(..., split)`` learned from on the
+        client ``data`` (a ClientData): the engine must leave them out of that split's metric. By default none."""
+        return None
 
     def on_end(self, ctx: ClientContext, model: nn.Module, num_steps: int) -> dict[str, Tensor]:
         return {}
@@ -456,10 +461,15 @@ class PerFedAvg(ClientAlgorithm):
     parameters take part (client-specific BN included: the personalization covers the whole local model).
 
     At evaluation (``adapt_for_evaluation``) the client's model takes ``perfedavg_eval_steps`` SGD steps with
-    lr alpha, each on the same ``perfedavg_eval_batch`` labelled samples (a seeded draw) of its test split
-    (UniFed's protocol) or of its training split (``perfedavg_eval_data="train"``), in training mode.
+    lr alpha, each on the same ``perfedavg_eval_batch`` labelled samples (a seeded draw) of the split being
+    scored (UniFed's protocol: test samples for the test metric, validation samples for the validation
+    metric) or of its training split (``perfedavg_eval_data="train"``), in training mode.
     Stateless between rounds.
     """
+
+    @property
+    def adapts_at_evaluation(self) -> bool:
+        return self.spec.perfedavg_eval_steps > 0
 
     def compute_gradients(self, ctx: ClientContext, model: nn.Module, x: Tensor, y: Tensor, forward) -> float | None:
         spec = self.spec
@@ -522,25 +532,27 @@ class PerFedAvg(ClientAlgorithm):
         g = torch.Generator().manual_seed(self.spec.perfedavg_eval_seed)
         return torch.randperm(n, generator=g)[: min(self.spec.perfedavg_eval_batch, n)].sort().values
 
-    def _adaptation_split(self, data):
+    def _adaptation_split(self, data, split: str):
         from ..data.domain import Split  # local import: data does not depend on methods
 
         if isinstance(data, Split):
             return data
-        return getattr(data, self.spec.perfedavg_eval_data, None)
+        return getattr(data, split if self.spec.perfedavg_eval_data == "test" else "train", None)
 
-    def adapt_for_evaluation(self, model: nn.Module, data, prepare, lr: float) -> None:
+    def adapt_for_evaluation(self, model: nn.Module, data, prepare, lr: float, split: str = "test") -> None:
         """``perfedavg_eval_steps`` SGD steps with lr alpha (not the engine's ``lr``, which is beta) on the
-        evaluation batch of ``data`` (a ClientData: its test or train split; a Split: that split)."""
+        evaluation batch of ``data`` (a ClientData: its ``split``, or its train split with
+        ``perfedavg_eval_data="train"``; a Split: that split)."""
         spec = self.spec
-        split = self._adaptation_split(data)
+        name = split
+        split = self._adaptation_split(data, name)
         if spec.perfedavg_eval_steps == 0 or split is None or len(split) == 0:
             return
         index = self.adaptation_index(len(split))
         has_bn = any(isinstance(m, _BatchNorm) for m in model.modules())
         if has_bn and len(index) < 2:
             raise ValueError("Per-FedAvg's evaluation step needs at least 2 labelled samples for a BatchNorm model "
-                             f"(its {spec.perfedavg_eval_data} split gives {len(index)})")
+                             f"(its {name if spec.perfedavg_eval_data == 'test' else 'train'} split gives {len(index)})")
         x = prepare(split.x[index])
         y = split.y[index].to(x.device)
         was_training = model.training
@@ -555,16 +567,16 @@ class PerFedAvg(ClientAlgorithm):
         optimizer.zero_grad(set_to_none=True)
         model.train(was_training)
 
-    def evaluation_holdout(self, data) -> dict[str, Tensor]:
+    def evaluation_holdout(self, data, split: str = "test") -> Tensor | None:
         from ..data.domain import Split
 
         spec = self.spec
         if spec.perfedavg_eval_steps == 0 or spec.perfedavg_eval_data != "test" or isinstance(data, Split):
-            return {}
-        split = getattr(data, "test", None)
-        if split is None or len(split) == 0:
-            return {}
-        return {"test": self.adaptation_index(len(split))}
+            return None
+        samples = getattr(data, split, None)
+        if samples is None or len(samples) == 0:
+            return None
+        return self.adaptation_index(len(samples))
 
 
 CLIENT_ALGORITHMS: dict[str, type[ClientAlgorithm]] = {
