@@ -133,3 +133,21 @@ def test_converter_and_factory_and_bad_momentum():
     assert isinstance(make_norm("fbn", 8, spatial=False), FederatedBatchNorm1d)
     with pytest.raises(ValueError, match="momentum"):
         FederatedBatchNorm2d(4, momentum=None)
+
+
+def test_converter_keeps_dtype_and_mode_and_refuses_layers_without_a_federated_form():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, momentum=0.3)).double().eval()
+    convert_to_federated_bn(model)
+    bn = model[1]
+    assert isinstance(bn, FederatedBatchNorm1d) and bn.running_mean.dtype == torch.float64
+    assert bn.weight.dtype == torch.float64 and bn.momentum == 0.3 and not bn.training
+    x = torch.randn(5, 3, dtype=torch.float64)
+    model.train()
+    out = model(x)  # FBN normalizes with the shared statistics before this batch: 0 and 1
+    h = model[0](x)
+    torch.testing.assert_close(out, h / torch.sqrt(torch.tensor(1 + bn.eps, dtype=torch.float64)))
+    no_stats = nn.Sequential(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, track_running_stats=False)))
+    with pytest.raises(ValueError, match=r"'0\.1'.*track_running_stats"):
+        convert_to_federated_bn(no_stats)
+    with pytest.raises(ValueError, match=r"'1'.*momentum=None"):
+        convert_to_federated_bn(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, momentum=None)))

@@ -93,14 +93,26 @@ def set_federation_size(model: nn.Module, num_clients: int) -> None:
         layer.num_clients = num_clients
 
 
-def convert_to_federated_bn(model: nn.Module) -> nn.Module:
-    """Swap every ``nn.BatchNorm1d/2d`` of ``model`` (in place) for its FBN twin, keeping its state."""
+def convert_to_federated_bn(model: nn.Module, prefix: str = "") -> nn.Module:
+    """Swap every ``nn.BatchNorm1d/2d`` of ``model`` (in place) for its FBN twin, keeping its state, dtype,
+    device and training mode. A BatchNorm without running statistics or with the cumulative average
+    (``momentum=None``) has no FBN twin: refused, naming the layer."""
     for name, child in list(model.named_children()):
+        path = f"{prefix}{name}"
         if isinstance(child, (nn.BatchNorm1d, nn.BatchNorm2d)) and not isinstance(child, _FederatedBatchNorm):
+            if not child.track_running_stats:
+                raise ValueError(f"BatchNorm layer {path!r} keeps no running statistics (track_running_stats=False): "
+                                 "FBN shares running statistics, so build it with track_running_stats=True")
+            if child.momentum is None:
+                raise ValueError(f"BatchNorm layer {path!r} has momentum=None (cumulative average), which has no "
+                                 "federated form: give it a momentum in (0, 1], e.g. 0.1")
             cls = FederatedBatchNorm2d if isinstance(child, nn.BatchNorm2d) else FederatedBatchNorm1d
-            new = cls(child.num_features, eps=child.eps, momentum=child.momentum or 0.1, affine=child.affine)
+            new = cls(child.num_features, eps=child.eps, momentum=child.momentum, affine=child.affine)
+            reference = child.running_mean
+            new.to(device=reference.device, dtype=reference.dtype)
             new.load_state_dict(child.state_dict())
+            new.train(child.training)
             setattr(model, name, new)
         else:
-            convert_to_federated_bn(child)
+            convert_to_federated_bn(child, f"{path}.")
     return model
