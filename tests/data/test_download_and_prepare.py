@@ -248,6 +248,32 @@ def test_fedbn_partitions_to_npz(tmp_path):
     assert load_digit_pool("usps", data)[0].shape == (3, 3, 28, 28)
 
 
+def test_fedbn_files_keep_their_own_split_in_the_federation(tmp_path):
+    """Prepared from FedBN's files, client 0 at percent 0.1 trains on exactly train_part0 and tests on
+    test.pkl (the protocol does not re-split the union)."""
+    from fednorm.data.federation import build_clients
+
+    rng = np.random.default_rng(6)
+    parts = [(rng.integers(0, 256, (8, 32, 32, 3), dtype=np.uint8), rng.integers(0, 10, 8)) for _ in range(10)]
+    test = (rng.integers(0, 256, (20, 32, 32, 3), dtype=np.uint8), rng.integers(0, 10, 20))
+    fedbn = tmp_path / "FedBN/data/SVHN"
+    _write_fedbn(fedbn, parts, test)
+    data = tmp_path / "data"
+    prepare.prepare_fedbn_digits("svhn", data, fedbn)
+    x, y = load_digit_pool("svhn", data)  # 80 training images in partition order, then the 20 test images
+    for percent, clients_per_domain in ((0.1, 1), (0.2, 2)):
+        clients = build_clients(["svhn"], data_dir=data, percent=percent, pool_size=80,
+                                clients_per_domain=clients_per_domain, split_seed=3)
+        for j, client in enumerate(clients):
+            k = int(percent * 10)  # partitions per client: client j holds parts j*k .. j*k + k - 1
+            torch.testing.assert_close(client.train.x, x[8 * j * k : 8 * (j + 1) * k])
+            assert client.train.y.tolist() == [int(v) for p in parts[j * k : (j + 1) * k] for v in p[1]]
+            torch.testing.assert_close(client.test.x, x[80:])
+            assert client.test.y.tolist() == test[1].tolist()
+    even = build_clients(["svhn"], data_dir=data, partition="even", percent=1.0, pool_size=80, clients_per_domain=4)
+    torch.testing.assert_close(torch.cat([c.train.x for c in even]), x[:80])
+
+
 def test_fedbn_missing_partition_is_named(tmp_path):
     rng = np.random.default_rng(5)
     pair = (rng.integers(0, 256, (1, 32, 32, 3), dtype=np.uint8), np.array([1]))

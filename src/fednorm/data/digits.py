@@ -55,6 +55,9 @@ _ARRAY_PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
 
 # Domains whose file is written by fednorm.data.prepare from the official files.
 _PREPARED = ("svhn", "synthdigits")
+# the array that marks a file prepared from FedBN's preprocessed partitions (x_train = FedBN's training pool
+# in partition order, x_test = its test split): the protocol keeps that split
+FEDBN_PRESPLIT_KEY = "fedbn_presplit"
 
 _CHUNK = 2048  # images converted at a time: bounds the float32 working memory to ~25 MB
 
@@ -89,11 +92,13 @@ def _fill_3x28(images: np.ndarray, out: torch.Tensor) -> None:
         out[start : start + chunk.shape[0]] = chunk  # broadcasts 1 grey channel to 3
 
 
-def load_digit_pool(name: str, data_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+def load_digit_pool(name: str, data_dir: Path, *, with_presplit: bool = False):
     """All images of one real digit domain: (N, 3, 28, 28) uint8 and (N,) int64 labels.
 
     The pool is the file's train arrays followed by its test arrays (Semeion has one set only).
-    The file is verified against the folder's manifest first (see :func:`load_npz`).
+    The file is verified against the folder's manifest first (see :func:`load_npz`). With
+    ``with_presplit``, a third value: the number of training images when the file was prepared from
+    FedBN's own partitions (``FEDBN_PRESPLIT_KEY``), whose split the protocol must keep; else None.
     """
     if name not in REAL_DIGIT_DOMAINS:
         raise ValueError(
@@ -107,7 +112,13 @@ def load_digit_pool(name: str, data_dir: Path) -> tuple[torch.Tensor, torch.Tens
             f"Data file {path} is missing: {name} has no offline copy. Create it from the official "
             f"files with: fednorm data prepare {name} --data-dir {data_dir}"
         )
-    arrays = load_npz(Path(data_dir), relpath, keys=[k for pair in pairs for k in pair])
+    keys = [k for pair in pairs for k in pair]
+    # prepared files may carry the FedBN marker; the others are read by their documented keys only
+    arrays = load_npz(Path(data_dir), relpath, keys=None if name in _PREPARED else keys)
+    missing = [k for k in keys if k not in arrays]
+    if missing:
+        raise DataError(f"Data file {path} lacks the array(s) {missing}; re-create it with: "
+                        f"fednorm data prepare {name} --data-dir {data_dir}")
     for x_key, y_key in pairs:
         x, y = arrays[x_key], arrays[y_key]
         _check_images(x, path, x_key)
@@ -130,4 +141,7 @@ def load_digit_pool(name: str, data_dir: Path) -> tuple[torch.Tensor, torch.Tens
         _fill_3x28(arrays[x_key], images[start : start + n])
         labels[start : start + n] = torch.from_numpy(arrays[y_key].astype(np.int64))
         start += n
-    return images, labels
+    if not with_presplit:
+        return images, labels
+    presplit = int(arrays["x_train"].shape[0]) if FEDBN_PRESPLIT_KEY in arrays else None
+    return images, labels, presplit

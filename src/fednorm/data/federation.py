@@ -247,6 +247,9 @@ class LoadedDomain:
 
     spec: DomainSpec
     pool: Split | None = None
+    # the pool is FedBN's preprocessed files: its first ``presplit`` images are the training pool in partition
+    # order, the rest the test split; the protocol keeps that split instead of re-splitting (protocol.pool_split)
+    presplit: int | None = None
     train: Split | None = None
     test: Split | None = None
     val: Split | None = None  # medical sites: their loader's validation split (a SegmentationSplit / FeatureSplit
@@ -281,7 +284,7 @@ def load_domain(domain: str, *, data_dir: Path | None, rendered_size: int = DEFA
         x = corrupt_pool(whole.x, spec.corruption, spec.severity, seed=seed, base=spec.base.name, cache=cache,
                          progress=progress)
         if base.pool is not None:
-            return LoadedDomain(spec, pool=Split(x, whole.y))
+            return LoadedDomain(spec, pool=Split(x, whole.y), presplit=base.presplit)
         n = len(base.train)
         return LoadedDomain(spec, train=Split(x[:n], base.train.y), test=Split(x[n:], base.test.y))
     if spec.origin == "rendered":
@@ -310,7 +313,8 @@ def load_domain(domain: str, *, data_dir: Path | None, rendered_size: int = DEFA
         return LoadedDomain(spec, train=train, test=test)
     from .digits import load_digit_pool
 
-    return LoadedDomain(spec, pool=Split(*load_digit_pool(domain, data_dir)))
+    x, y, presplit = load_digit_pool(domain, data_dir, with_presplit=True)
+    return LoadedDomain(spec, pool=Split(x, y), presplit=presplit)
 
 
 def medical_loader_options(domain: str) -> list[str]:
@@ -501,6 +505,7 @@ def build_clients(
             pool_size=pool_size,
             seed=split_seed,
             origin=item.spec.origin,
+            presplit=item.presplit,
         )
     return clients
 

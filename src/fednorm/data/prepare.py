@@ -38,7 +38,7 @@ import numpy as np
 
 from .cifar10 import CIFAR10_CLASSES, CIFAR10_FILE
 from .datafolder import MANIFEST_NAME
-from .digits import REAL_DIGIT_DOMAINS
+from .digits import FEDBN_PRESPLIT_KEY, REAL_DIGIT_DOMAINS
 from .domain import DataError
 from .objects import DEFAULT_SIZE, DOMAINNET, OFFICE_CALTECH10, ObjectDataset, RawImages, check_size
 from .download import download as _download
@@ -310,13 +310,15 @@ def read_fedbn_partitions(folder: Path, parts: int = 10) -> dict[str, np.ndarray
 def prepare_fedbn_digits(name: str, data_dir: Path, fedbn_dir: Path) -> Path:
     """Write ``digits/<name>.npz`` (``svhn`` or ``synthdigits``) from FedBN's preprocessed files.
 
-    The pool is then FedBN's 7,438 training images plus its test split (19,858 SVHN, 97,791
-    SynthDigits); the digit loaders re-split that union 80/20, so the test images are not exactly
-    FedBN's (use the official files for the full pool).
+    The file holds FedBN's 7,438 training images in partition order and its test split (19,858
+    SVHN, 97,791 SynthDigits), marked with ``FEDBN_PRESPLIT_KEY``: the protocol keeps that split
+    (client 0 at ``percent`` 0.1 trains on ``train_part0``, every client tests on ``test.pkl``)
+    instead of re-splitting the union.
     """
     if name not in DIGIT_FILES:
         raise ValueError(f"unknown digit set {name!r}; choose one of {', '.join(DIGIT_FILES)}")
     arrays = read_fedbn_partitions(Path(fedbn_dir))
+    arrays[FEDBN_PRESPLIT_KEY] = np.array(1, dtype=np.uint8)
     source = f"med-air/FedBN preprocessed partitions (train_part0..9.pkl + test.pkl) from {fedbn_dir}"
     return write_dataset_file(Path(data_dir), DIGIT_FILES[name], arrays, key=name, source=source)
 

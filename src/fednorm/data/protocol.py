@@ -42,6 +42,17 @@ FEDBN_NUM_PARTITIONS = 10
 FEDBN_TEST_FRACTION = 0.2
 
 
+def pool_split(y: torch.Tensor, seed: int, presplit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train indices, test indices) of a domain pool: FedBN's stratified 80/20 split (``seed``), or, for a
+    pool whose first ``presplit`` images are already FedBN's training pool in partition order and the rest its
+    test split (``fednorm data prepare --fedbn-dir``: the official preprocessed files), that split as stored."""
+    if presplit is None:
+        return stratified_split(y, FEDBN_TEST_FRACTION, seed)
+    if not 0 < presplit < len(y):
+        raise ValueError(f"a pre-split pool needs 0 < train length < {len(y)}, got {presplit}")
+    return torch.arange(presplit), torch.arange(presplit, len(y))
+
+
 def stratified_split(
     y: torch.Tensor, test_fraction: float = FEDBN_TEST_FRACTION, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,20 +176,22 @@ def fedbn_domain_clients(
     pool_size: int = FEDBN_POOL_SIZE,
     seed: int = 0,
     origin: str = "real",
+    presplit: int | None = None,
 ) -> list[ClientData]:
     """The clients of one domain under the FedBN digits protocol (see the module docstring).
 
     ``x``/``y`` is the domain's whole image pool (uint8 N x C x H x W, labels N). It is split
     80/20 (stratified, ``seed``); the first ``pool_size`` training indices form the training pool
     (all of them, noted in ``meta``, if the split is smaller), cut into 10 partitions. Each client
-    gets ``percent`` of the training pool at its own offset and the whole test split.
+    gets ``percent`` of the training pool at its own offset and the whole test split. ``presplit``:
+    the pool is FedBN's own files, its first ``presplit`` images the training pool (``pool_split``).
     """
     per_client = _check_percent_and_clients(domain, percent, clients_per_domain, f"{pool_size}-sample")
     if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
         raise ValueError(f"pool_size must be a positive int, got {pool_size!r}")
 
     pool = Split(x, y)  # validates dtype and shapes
-    train_idx, test_idx = stratified_split(pool.y, FEDBN_TEST_FRACTION, seed)
+    train_idx, test_idx = pool_split(pool.y, seed, presplit)
     train_pool_idx = train_idx[:pool_size]
     train_pool_len = len(train_pool_idx)
     if train_pool_len < FEDBN_NUM_PARTITIONS:
@@ -193,7 +206,7 @@ def fedbn_domain_clients(
     base_meta = {
         "protocol": "fedbn-digits",
         "percent": percent,
-        "split_seed": seed,
+        "split_seed": seed if presplit is None else "the files' own split",
         "pool_len": len(pool),
         "train_split_len": len(train_idx),
         "test_len": len(test_idx),
@@ -243,6 +256,7 @@ def even_domain_clients(
     pool_size: int = FEDBN_POOL_SIZE,
     seed: int = 0,
     origin: str = "real",
+    presplit: int | None = None,
 ) -> list[ClientData]:
     """Many clients per domain: ``percent`` of the domain's training pool split evenly and disjointly.
 
@@ -259,7 +273,7 @@ def even_domain_clients(
     if isinstance(clients_per_domain, bool) or not isinstance(clients_per_domain, int) or clients_per_domain < 1:
         raise ValueError(f"clients_per_domain must be a positive int, got {clients_per_domain!r}")
     pool = Split(x, y)
-    train_idx, test_idx = stratified_split(pool.y, FEDBN_TEST_FRACTION, seed)
+    train_idx, test_idx = pool_split(pool.y, seed, presplit)
     used = train_idx[:pool_size]
     used = used[: int(len(used) * percent)]
     if len(used) < clients_per_domain:

@@ -24,7 +24,7 @@ import torch
 
 from .domain import Split
 from .federation import DEFAULT_RENDERED_SIZE, DomainSpec, class_names, load_domain, parse_domain
-from .protocol import FEDBN_TEST_FRACTION, stratified_split
+from .protocol import pool_split
 
 
 @dataclass(frozen=True)
@@ -63,11 +63,14 @@ def view_domain(domain: str, *, data_dir: Path | None, seed: int = 0,
         positions = {name: torch.arange(len(s)) for name, s in splits.items()}
         note = f"the loader's own splits: {loaded.description}"
     elif loaded.pool is not None:
-        train_idx, test_idx = stratified_split(loaded.pool.y, FEDBN_TEST_FRACTION, seed)
+        train_idx, test_idx = pool_split(loaded.pool.y, seed, loaded.presplit)
         splits = {"train": loaded.pool.subset(train_idx), "test": loaded.pool.subset(test_idx)}
         positions = {"train": train_idx, "test": test_idx}
         note = (f"one pool of {len(loaded.pool)} images split 80/20 by class (seed {seed}) as the FedBN protocol "
                 "does; clients then take percent of the first pool_size training images")
+        if loaded.presplit is not None:
+            note = (f"FedBN's own files: its {loaded.presplit} training images in partition order and its test "
+                    "split, kept as stored; clients take percent of the first pool_size training images")
     else:
         n = len(loaded.train)
         splits = {"train": loaded.train, "test": loaded.test}
