@@ -19,8 +19,11 @@ score?", so the rest of fednorm does not care whether a batch holds class labels
   The score is the hard Dice of every image (argmax prediction), averaged over the images of a split.
   ``dice_background`` chooses the classes it averages: ``exclude`` (default) scores the foreground
   only, the usual reading of the paper's "Dice coefficient" (the paper does not say); ``include``
-  averages background and foreground; ``code`` is the official ``dice_coef`` exactly (background
-  included, ``2I / (|P| + |G| + 1e-5)``, a class absent from both prediction and mask scores 0).
+  averages background and foreground; ``code`` is the official ``dice_coef`` on each batch (background
+  included, ``2I / (|P| + |G| + 1e-5)``, a class absent from both prediction and mask scores 0). A split's
+  score is the mean over its images; the official test loop averages the batch means instead
+  (``test_acc / len(loader)``), which differs only when a last, smaller batch is left (set
+  ``federation.eval_batch_size`` to a divisor of the split sizes, or 1, to match it exactly).
 
 Which task a run uses: the domains say it (``DomainSpec.task``: the prostate and nuclei sites are
 segmentation, everything else classification) and ``training.loss`` picks the loss (``auto``: ``ce``
