@@ -380,7 +380,9 @@ class FedDC(Scaffold):
     Each local step minimizes f_i(theta_i) + (alpha/2)||theta_i + h_i - theta||^2 + <theta_i, g - g_i>, i.e. the
     gradient gets + alpha (theta_i + h_i - theta) + (g - g_i) (added exactly in ``on_gradients``; like FedProx's
     term here, the penalty is not in the reported loss). After the K local steps:
-    g_i+ = g_i - g + (theta - theta_i) / (K lr) and the client sends Delta g_i = g_i+ - g_i; the server sets
+    g_i+ = g_i - g + (theta - theta_i) / (K lr) (with momentum K is SCAFFOLD's ``effective_steps``, as for
+    SCAFFOLD here; the official code divides by K lr whatever its momentum) and the client sends
+    Delta g_i = g_i+ - g_i; the server sets
     g += (1/N) sum_i Delta g_i (the code's ``state_gadient_diffs``: this is SCAFFOLD's option II with c = g,
     c_i = g_i, so the keys are SCAFFOLD's ``c.<name>`` / ``c_i.<name>``); then h_i += theta_i - theta, and the
     client sends theta_i + h_i (with the updated h_i, as the code) for the server's weighted mean.
