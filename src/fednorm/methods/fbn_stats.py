@@ -90,13 +90,21 @@ def aggregate_naive(means: Tensor, vars: Tensor) -> tuple[Tensor, Tensor]:
     return means.mean(dim=0), vars.mean(dim=0)
 
 
-def aggregate_fbn_weighted(means: Tensor, vars: Tensor, beta: float, counts: Sequence[int]) -> tuple[Tensor, Tensor]:
+def aggregate_fbn_weighted(means: Tensor, vars: Tensor, beta: float, counts: Sequence[int],
+                           previous_var: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(RM)/(RV) for clients whose batches hold different numbers of values per channel ``counts`` (K_i).
 
-    Weights w_i = K_i / N (N = sum K_i): m = sum w_i m_i, v = sum w_i v_i + N/((N-1) beta) sum w_i (m_i - m)^2
-    (extraction pitfall 4; the paper assumes equal K "for simplicity"). Equal counts give exactly
-    :func:`aggregate_fbn`. With unequal counts the clients' own unbiasing Kn/(Kn-1) used their own K, so the
-    result is then close to, not exactly, centralized BN's running variance.
+    Weights w_i = K_i / N (N = sum K_i): m = sum w_i m_i (exact). The paper assumes equal K "for
+    simplicity"; for the variance each client unbiased its batch with its own f_i = K_i n/(K_i n - 1)
+    (n = the rows, the round's clients), so with the shared variance v the clients started from
+    (``previous_var``) the server takes each f_i back out and applies the union's N/(N - 1):
+
+        v+ = (1-beta) v + N/(N-1) [ sum w_i (v_i - (1-beta) v) / f_i + sum w_i (m_i - m)^2 / beta ]
+
+    which equals centralized BN's running variance on the union batch exactly (one local step per round,
+    as (RV) itself), and reduces to :func:`aggregate_fbn` for equal counts. Without ``previous_var``:
+    v = sum w_i v_i + N/((N-1) beta) sum w_i (m_i - m)^2 (extraction pitfall 4), close to but not
+    exactly centralized BN when the counts differ.
     """
     k = torch.as_tensor(list(counts), dtype=means.dtype, device=means.device)
     if k.numel() != means.shape[0] or (k <= 0).any():
@@ -104,7 +112,18 @@ def aggregate_fbn_weighted(means: Tensor, vars: Tensor, beta: float, counts: Seq
     total = float(k.sum())
     if total < 2:
         raise ValueError(f"need at least 2 values per channel in the union batch, got {total:g}")
-    w = (k / total).reshape(-1, *([1] * (means.dim() - 1)))
+    shape = (-1, *([1] * (means.dim() - 1)))
+    w = (k / total).reshape(shape)
     m = (w * means).sum(dim=0)
-    v = (w * vars).sum(dim=0) + total / ((total - 1) * beta) * (w * (means - m) ** 2).sum(dim=0)
+    between = (w * (means - m) ** 2).sum(dim=0)
+    if previous_var is None:
+        v = (w * vars).sum(dim=0) + total / ((total - 1) * beta) * between
+        return m, v.clamp(min=0)
+    n = means.shape[0]
+    if (k * n < 2).any():
+        raise ValueError(f"every client needs K_i n >= 2 values per channel, got counts {list(counts)} with n = {n}")
+    f = (k * n / (k * n - 1)).reshape(shape)
+    prev = previous_var.to(means.dtype)
+    within = (w * (vars - (1 - beta) * prev) / f).sum(dim=0)
+    v = (1 - beta) * prev + total / (total - 1) * (within + between / beta)
     return m, v.clamp(min=0)

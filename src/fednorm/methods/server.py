@@ -251,7 +251,7 @@ class ServerUpdate:
             rows = self._fbn_rows[prefix]
             means = torch.stack([r[0] for r in rows])
             vars_ = torch.stack([r[1] for r in rows])
-            m, v = self._fbn(means, vars_, beta, [r[2] for r in rows], None)
+            m, v = self._fbn(prefix, means, vars_, beta, [r[2] for r in rows], None)
             new[f"{prefix}.running_mean"], new[f"{prefix}.running_var"] = m, v
         return self._cast(new)
 
@@ -271,14 +271,16 @@ class ServerUpdate:
         # copies: the reply may hold the live buffers of the working model, which the next client overwrites
         return mean.to(torch.float64, copy=True), var.to(torch.float64, copy=True), int(count)
 
-    @staticmethod
-    def _fbn(means: Tensor, vars_: Tensor, beta: float, counts: list[int], aggregator) -> tuple[Tensor, Tensor]:
+    def _fbn(self, prefix: str, means: Tensor, vars_: Tensor, beta: float, counts: list[int],
+             aggregator) -> tuple[Tensor, Tensor]:
         if len(set(counts)) == 1:
             return aggregate_fbn(means, vars_, beta, counts[0], aggregator)
         if aggregator is not None:
             # unequal K under a robust rule: the robust formula with the mean K (no exact form exists)
             return aggregate_fbn(means, vars_, beta, max(1, round(sum(counts) / len(counts))), aggregator)
-        return aggregate_fbn_weighted(means, vars_, beta, counts)
+        # exact against centralized BN: the shared variance the clients started from undoes their own unbiasing
+        previous = self._global[f"{prefix}.running_var"].to(torch.float64)
+        return aggregate_fbn_weighted(means, vars_, beta, counts, previous_var=previous)
 
     def _server_optimizer_step(self, new: dict[str, Tensor]) -> None:
         s, rule = self.spec, self.spec.rule
@@ -374,7 +376,7 @@ class ServerUpdate:
                 counts = [r.bn_counts.get(prefix, 0) for r in replies]
                 if not all(counts):
                     raise UpdateError(f"a client sent no batch size for the FBN layer {prefix!r}")
-                new[mk], new[vk] = self._fbn(means, vars_, self.fbn_layers[prefix], counts, agg)
+                new[mk], new[vk] = self._fbn(prefix, means, vars_, self.fbn_layers[prefix], counts, agg)
             else:
                 new[mk], new[vk] = reduce(means), reduce(vars_).clamp(min=0)
         for k in self.keys:
