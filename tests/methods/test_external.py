@@ -137,6 +137,23 @@ def test_momentum_zero_is_the_one_batch_study_batch_statistics_only():
     assert result.loss == pytest.approx(metrics(pairs)[1], rel=1e-5)
 
 
+def test_a_one_value_last_batch_keeps_the_tracked_statistics():
+    """Before a BatchNorm1d a last batch of one sample has no variance: it is predicted with the statistics
+    of the batches before it (at momentum 0: the previous batch's), not with (x, 0)."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Flatten(), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    split = data(5)
+    bn = ExternalBN(batch_size=4, momentum=0.0)
+    result = evaluate_test_time_bn(model, split, prepare, bn)
+    x = prepare(split.x).flatten(1)
+    m, v = x[:4].mean(0), x[:4].var(0, correction=0)
+    with torch.no_grad():
+        logits = model[2]((x - m) / torch.sqrt(v + model[1].eps) * model[1].weight + model[1].bias)
+    assert result.loss == pytest.approx(metrics([(logits, split.y)])[1], rel=1e-5)
+    after = reestimate_bn_statistics(model, split, prepare, bn)
+    torch.testing.assert_close(after[1].running_var, v)
+
+
 def test_population_statistics_are_the_mean_and_variance_of_all_the_data():
     model, split = bn_model(), data(10)
     net = reestimate_bn_statistics(model, split, prepare, ExternalBN(batch_size=3, momentum=None))

@@ -162,6 +162,11 @@ class _StatisticsTracker:
             if self.unbiased and self.count > 1:
                 var = var * self.count / (self.count - 1)
         else:
+            if k < 2 and not self.first:
+                # a one-value batch (a last batch of 1 sample before a BatchNorm1d) has no variance: it would set
+                # the statistics to (x, 0) at momentum 0, normalizing by sqrt(eps); it keeps the tracked ones
+                # (UniFed extraction pitfall 3: "the last partial batch can be tiny - handle it")
+                return
             xf = x.float()
             mean = xf.mean(dims)
             var = xf.var(dims, correction=1 if self.unbiased and k > 1 else 0)
