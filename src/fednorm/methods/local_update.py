@@ -91,7 +91,9 @@ class LocalTraining:
     # the loss (and evaluation score) of the run's task: cross-entropy for classification, a Dice loss or CE +
     # Dice for segmentation (:mod:`fednorm.methods.tasks`)
     task: Task = CLASSIFICATION
-    # HarmoFL's client drift (Eq. 9): record Gamma_i = 1/K sum_k ||theta_k - theta_0||^2 over the round's K steps
+    # HarmoFL's client drift (Eq. 9): record Gamma_i = 1/K sum_k ||theta_k - theta_0||^2 over the round's K steps,
+    # theta_k the weights after step k. Alg. 1 indexes theta_{i,1} = theta^t, so a literal Eq. 9 averages the start
+    # (a zero term) and the first K - 1 iterates; the choice here counts every step's result once
     track_drift: bool = False
     # the client's optimizer: SGD (momentum, weight decay), or Adam (betas, L2 weight decay added to the gradient
     # as torch.optim.Adam; HarmoFL's segmentation code: Adam lr 1e-4, betas (0.9, 0.99), weight decay 1e-4)
