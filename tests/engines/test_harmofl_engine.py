@@ -79,3 +79,18 @@ def test_code_variant_swaps_only_the_dc_amplitude_at_evaluation(tiny_clients):
     not_dc = torch.ones(got.shape[-2:], dtype=torch.bool)
     not_dc[0, 0] = False
     torch.testing.assert_close(got[..., not_dc], own[..., not_dc], rtol=1e-4, atol=1e-3)
+
+
+def test_amplitude_methods_refuse_an_input_pipeline_they_would_replace(tiny_clients):
+    """AmpNorm sits between /255 and normalize_batch's standardization: a custom pipeline (ImageNet statistics,
+    say) would be dropped without a word, so the engine refuses it."""
+    imagenet = lambda x: normalize_batch(x, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))  # noqa: E731
+    try:
+        InProcessEngine(DigitCNN(width=0.125), tiny_clients, resolve_method("harmofl"), TRAIN,
+                        Federation(seed=0, channels_last=False), imagenet)
+    except ValueError as exc:
+        assert "normalize_batch" in str(exc) and "harmofl" in str(exc)
+    else:
+        raise AssertionError("a HarmoFL engine accepted a pipeline its amplitude step would replace")
+    InProcessEngine(DigitCNN(width=0.125), tiny_clients, resolve_method("fedavg"), TRAIN,
+                    Federation(seed=0, channels_last=False), imagenet)  # without AmpNorm the pipeline is kept

@@ -118,4 +118,6 @@ def test_harmofl_runs_on_segmentation():
         raw_loss = (3 * float(task.loss(raw[:3], y[:3])) + float(task.loss(raw[3:], y[3:]))) / 4
         got = next(e for e in evals if e.client == c.name)
         assert abs(got.accuracy - dice) < 1e-6 and abs(got.loss - loss) < 1e-6
-        assert abs(got.loss - raw_loss) > 1e-5  # after two rounds the tiny U-Net's output barely depends on x
+        # amplitude-normalized inputs give other outputs than raw ones (the loss alone barely moves: after two
+        # rounds the tiny U-Net's output depends little on x)
+        assert (logits - raw).abs().max() > 1e-3 and got.loss != raw_loss

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..data.domain import ClientData
+from ..data.domain import ClientData, normalize_batch
 from ..methods.amplitude import AmplitudeNormalizer, AmplitudePrepare, average_amplitudes
 from ..methods.client_algorithms import ClientAlgorithm, ClientContext
 from ..methods.local_update import LocalResult, LocalTraining, train_locally
@@ -57,6 +57,12 @@ class ClientRunner:
         """``prepare`` turns a uint8 batch into the model input; ``place`` (the model's device and memory
         format) is applied after it, and after the amplitude normalization that replaces ``prepare`` for
         HarmoFL's methods (which runs on the host)."""
+        if method.amplitude_norm and prepare is not normalize_batch:
+            # AmplitudePrepare replaces the input pipeline with /255 -> amplitude -> normalize_batch's (0.5, 0.5)
+            # standardization; another pipeline would be silently dropped
+            raise ValueError(f"method {method.name!r} normalizes image amplitudes between /255 and the standardization "
+                             "of normalize_batch (mean 0.5, std 0.5); it cannot follow another input pipeline "
+                             f"({getattr(prepare, '__name__', type(prepare).__name__)}): pass normalize_batch")
         self.model, self.method, self.training = model, method, training
         self.device = next(model.parameters()).device
         self.place = place or (lambda x: x.to(self.device))
