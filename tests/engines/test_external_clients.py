@@ -53,6 +53,17 @@ def test_fedbn_average_of_a_method_with_shared_affine_uses_the_global_affine(tin
     assert _engine(tiny_clients, "fedbn", [outsider]).bn_affine_is_local
 
 
+def test_singleset_has_no_global_model_to_evaluate_external_clients_with(tiny_clients):
+    """SingleSet never trains a global model (FedBN: no model to hand to a new client): no external rows, rather
+    than scores of the untrained initial weights."""
+    outsider = ClientData("ext", "dx", make_split(10, seed=9, shift=120.0), make_split(24, seed=19, shift=120.0))
+    eng = _engine(tiny_clients, "singleset", [outsider])
+    eng.run_round()
+    evals = eng.evaluate(("test",))
+    assert not any(e.client.startswith("ext") for e in evals)
+    assert {e.client for e in evals} == {c.name for c in tiny_clients}
+
+
 def test_models_without_batchnorm_get_only_the_global_mode(tiny_clients):
     outsider = ClientData("ext", "dx", make_split(10, seed=9), make_split(12, seed=19))
     torch.manual_seed(2)

@@ -1,6 +1,7 @@
 """Segmentation through the in-process engine: a tiny U-Net federation on synthetic masks trains, reports Dice;
 FedBN keeps every BatchNorm entry on its client; HarmoFL (amplitude normalization, weight perturbation) runs."""
 
+import pytest
 import torch
 
 from fednorm.data.domain import ClientData, normalize_batch
@@ -121,3 +122,15 @@ def test_harmofl_runs_on_segmentation():
         # amplitude-normalized inputs give other outputs than raw ones (the loss alone barely moves: after two
         # rounds the tiny U-Net's output depends little on x)
         assert (logits - raw).abs().max() > 1e-3 and got.loss != raw_loss
+
+
+def test_local_bn_policies_refuse_batch_statistics_bn_that_holds_no_state():
+    """HarmoFL's code BN (model.bn_mode: batch) has no affine and no running statistics: FedBN, SiloBN and FixBN
+    would have nothing to keep local or freeze and would silently run as FedAvg, so the engine refuses them."""
+    training = LocalTraining(batch_size=4, lr=0.05, task=Task("segmentation", "ce_dice"))
+    for method in ("fedbn", "silobn", "fixbn"):
+        with pytest.raises(ValueError, match="bn_mode"):
+            InProcessEngine(UNet(width=0.125, bn_mode="batch"), clients(), resolve_method(method), training,
+                            Federation(seed=0, channels_last=False), normalize_batch)
+    InProcessEngine(UNet(width=0.125, bn_mode="batch"), clients(), resolve_method("fedavg"), training,
+                    Federation(seed=0, channels_last=False), normalize_batch)  # nothing to keep: FedAvg is fine

@@ -16,6 +16,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch import nn
 
 from ..data.domain import ClientData, Split
@@ -172,6 +173,17 @@ class InProcessEngine:
             )
         if method.freeze_bn_stats_at is not None and not has_bn:
             raise ValueError(f"method {method.name!r} freezes BatchNorm statistics, but the model has no BatchNorm")
+        bns = [m for m in self.model.modules() if isinstance(m, _BatchNorm)]
+        with_stats = any(m.track_running_stats for m in bns)
+        needs_stats = method.policy == "local_bn_stats" or method.freeze_bn_stats_at is not None
+        if has_bn and (needs_stats and not with_stats or method.policy == "local_bn" and not
+                       any(m.track_running_stats or m.affine for m in bns)):
+            # batch-statistics BN (model.bn_mode: batch, HarmoFL's code) holds no state: the method would be FedAvg
+            raise ValueError(
+                f"method {method.name!r} keeps BatchNorm {'statistics' if needs_stats else 'state'} local or frozen, "
+                "but the model's BatchNorm layers keep no running statistics"
+                + ("" if needs_stats else " and no affine parameters")
+                + " (model.bn_mode: batch): it would silently run as FedAvg; use model.bn_mode: running")
         if method.union_batches and self.training.steps is None:
             raise ValueError(
                 f"method {method.name!r} steps on the merge of the clients' batches of each step, which needs a "
@@ -356,7 +368,10 @@ class InProcessEngine:
         return out
 
     def evaluate_external(self, prepare=None) -> list[Evaluation]:
-        """Every external client (never trained) under every external mode, from the global model."""
+        """Every external client (never trained) under every external mode, from the global model. None under
+        SingleSet (policy local_all): no global model is ever trained, so there is nothing to evaluate."""
+        if self.method.policy == "local_all":
+            return []
         prepare = prepare or self.runner.evaluation_prepare(self.input_state)
         has_bn = has_batchnorm(self.model)
         out: list[Evaluation] = []
