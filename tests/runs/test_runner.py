@@ -212,6 +212,22 @@ def test_label_skew_dsgd_run_with_byzantine_clients_resumes_exactly(tmp_path):
         assert a.summary["mean_final_test_acc"] == b.summary["mean_final_test_acc"]
 
 
+def test_external_data_all_scores_every_image_of_the_external_domain():
+    """UniFed: external clients' data "are all held out for testing": with external.data=all an external
+    client's test split is its whole domain, not the federation protocol's 20 % test split."""
+    from fednorm.data.federation import load_domain
+    from fednorm.runs.runner import build_external_clients
+
+    split = build_external_clients(tiny_config("external.domains=[rendered/street]"), None)
+    whole = build_external_clients(tiny_config("external.domains=[rendered/street]", "external.data=all"), None)
+    cfg = tiny_config()
+    pool = load_domain("rendered/street", data_dir=None, rendered_size=cfg.data.rendered_size,
+                       seed=cfg.data.split_seed).all()
+    assert len(split[0].test) < len(pool)
+    assert torch.equal(whole[0].test.x, pool.x) and torch.equal(whole[0].test.y, pool.y)
+    assert whole[0].meta["external"]
+
+
 def test_external_domain_is_reported_per_mode_and_left_out_of_the_average(tmp_path):
     cfg = tiny_config("methods=[fedavg, fedbn, perfedavg]", "external.domains=[rendered/street]")
     results = start_run(cfg, tmp_path / "run")

@@ -326,6 +326,9 @@ class ExternalConfig(_Strict):
                                "splits; e.g. the held-out domain of a leave-one-domain-out run)")
     modes: list[Literal["global", "test_time_bn", "fedbn_average"]] = Field(
         default_factory=lambda: ["global", "test_time_bn", "fedbn_average"], min_length=1)
+    data: Literal["test", "all"] = Field(
+        "test", description="what an external client is scored on: its domain's test split under the federation's "
+        "protocol, or every image of its domain (UniFed Sec. 4.1: external data 'are all held out for testing')")
     batch_size: int = Field(32, ge=1, description="test batch size of test-time BN statistics (UniFed)")
     momentum: float | None = Field(0.9, ge=0, le=1, description="test-time BN momentum; null: population "
                                    "statistics over one pass")

@@ -20,8 +20,8 @@ import yaml
 
 from ..data.datafolder import resolve_data_dir
 from ..data.domain import ClientData, normalize_batch
-from ..data.federation import (build_clients, domain_eval_clients, image_size, is_rendered, load_pool, num_classes,
-                               pooled_client)
+from ..data.federation import (build_clients, domain_eval_clients, image_size, is_rendered, load_domain, load_pool,
+                               num_classes, pooled_client)
 from ..data.partition import LABEL_SKEW_SCHEMES, label_skew_clients
 from ..methods.aggregation import DivergenceError
 from ..methods.server import Threat
@@ -78,6 +78,9 @@ def build_external_clients(config: ExperimentConfig, data_dir: Path | None,
                              pool_size=d.pool_size, split_seed=d.split_seed, rendered_size=d.rendered_size)
     for c in external:
         c.meta["external"] = True
+    if config.external.data == "all":  # never trained: every image of the domain is test data
+        external = [replace(c, test=load_domain(c.domain, data_dir=data_dir, rendered_size=d.rendered_size,
+                                                seed=d.split_seed).all()) for c in external]
     return external
 
 
