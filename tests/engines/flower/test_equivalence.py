@@ -32,6 +32,15 @@ def metrics(run, config):
     ["methods=[fedbn, fedavg, silobn]", "external.domains=[rendered/street]", "federation.eval_every=1",
      "federation.rounds=2"],
     ["methods=[harmofl, fixbn]", "federation.rounds=2", "federation.eval_every=1", "data.val_fraction=0.2"],
+    # SingleSet, and UniFed's add-on on the stateful client algorithms (MOON's previous model, FedDC's drift)
+    ["methods=[singleset, {name: moon, policy: local_bn, label: moon+ours}, "
+     "{name: feddc, policy: local_bn, label: feddc+ours}]", "federation.rounds=2", "federation.eval_every=1"],
+    # FedProx, no-BN models, a server optimizer with client-specific BN, FixBN over several rounds after its switch
+    ["methods=[fedprox, fedwon, fedavg_gn, {name: fedadam, policy: local_bn, label: fedadam+ours}, "
+     "{name: fixbn, freeze_bn_stats_at: 2}]", "federation.rounds=3", "federation.eval_every=1"],
+    # kept momentum under local BN; Per-FedAvg adapting on each split's own samples before scoring it
+    ["methods=[fedbn, perfedavg]", "federation.persistent_optimizer=true", "training.momentum=0.9",
+     "federation.rounds=2", "data.val_fraction=0.2", "federation.eval_every=1"],
     ["methods=[{name: fbn, server: {rule: median, nnm: true}}]", "data.domains=[rendered/print]",
      "data.partition=gamma", "data.num_clients=4", "training.steps=2", "federation.weighting=uniform",
      "federation.byzantine={count: 1, attack: sign_flip}", "federation.fraction=0.75"],
@@ -40,6 +49,15 @@ def test_flower_metrics_equal_the_in_process_engine(tmp_path, extra):
     config = tiny_config(*extra)
     nodes = [{"partition-id": i, "num-partitions": 2} for i in range(2)]  # a node may hold several clients
     in_process_and_flower(tmp_path, config, nodes)
+    assert metrics(tmp_path / "flower", config) == metrics(tmp_path / "in_process", config)
+
+
+def test_cross_device_sampling_gives_the_in_process_numbers(tmp_path):
+    """8 stateless clients, half of them sampled each round, one client per node."""
+    config = tiny_config("methods=[fixbn, fedavg]", "federation.setting=cross_device", "data.partition=even",
+                         "data.clients_per_domain=4", "federation.fraction=0.5", "training.batch_size=4",
+                         "federation.rounds=3", "federation.eval_every=1")
+    in_process_and_flower(tmp_path, config)
     assert metrics(tmp_path / "flower", config) == metrics(tmp_path / "in_process", config)
 
 
