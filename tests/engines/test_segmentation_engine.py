@@ -134,3 +134,27 @@ def test_local_bn_policies_refuse_batch_statistics_bn_that_holds_no_state():
                             Federation(seed=0, channels_last=False), normalize_batch)
     InProcessEngine(UNet(width=0.125, bn_mode="batch"), clients(), resolve_method("fedavg"), training,
                     Federation(seed=0, channels_last=False), normalize_batch)  # nothing to keep: FedAvg is fine
+
+
+def test_scaffold_option_one_on_segmentation_is_the_task_losss_gradient():
+    """SCAFFOLD option I's c_i is the gradient of the run's loss (CE + Dice on masks here), not of a class CE."""
+    import copy
+
+    task = Task("segmentation", "ce_dice")
+    site = clients(1)
+    torch.manual_seed(0)
+    eng = InProcessEngine(UNet(width=0.125), site, resolve_method("scaffold", client={"scaffold_option": "I"}),
+                          LocalTraining(batch_size=4, lr=0.05, task=task),
+                          Federation(seed=0, channels_last=False), normalize_batch)
+    start = {k: v.clone() for k, v in eng.global_state.items()}
+    eng.run_round()
+    model = copy.deepcopy(eng.model)
+    model.load_state_dict(start)
+    model.eval()
+    data = site[0].train
+    task.loss(model(normalize_batch(data.x)), data.y.long()).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(eng.algorithm_states["site0"][f"c_i.{k}"], p.grad, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="classification only"):
+        InProcessEngine(UNet(width=0.125), site, resolve_method("perfedavg"), LocalTraining(batch_size=4, task=task),
+                        Federation(seed=0, channels_last=False), normalize_batch)

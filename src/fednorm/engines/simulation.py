@@ -173,6 +173,9 @@ class InProcessEngine:
             )
         if method.freeze_bn_stats_at is not None and not has_bn:
             raise ValueError(f"method {method.name!r} freezes BatchNorm statistics, but the model has no BatchNorm")
+        if method.client.name == "perfedavg" and self.training.task.kind != "classification":
+            raise ValueError(f"method {method.name!r} uses Per-FedAvg, whose meta-steps and evaluation steps are "
+                             "cross-entropy on class labels: it supports classification only")
         bns = [m for m in self.model.modules() if isinstance(m, _BatchNorm)]
         with_stats = any(m.track_running_stats for m in bns)
         needs_stats = method.policy == "local_bn_stats" or method.freeze_bn_stats_at is not None

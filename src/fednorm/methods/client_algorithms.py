@@ -111,6 +111,7 @@ class ClientContext:
     scratch: dict = field(default_factory=dict)
     momentum: float = 0.0  # the local SGD's momentum and its style (SCAFFOLD option II's effective step count)
     momentum_style: str = "pytorch"
+    task: object = None  # the run's Task (loss and targets); None: classification
 
 
 def effective_steps(num_steps: int, momentum: float = 0.0, momentum_style: str = "pytorch") -> float:
@@ -244,7 +245,11 @@ class Scaffold(ClientAlgorithm):
         model.eval()  # the gradient at x without moving BN statistics
         for start in range(0, n, 500):
             x = ctx.prepare(data.x[start : start + 500])
-            loss = F.cross_entropy(model(x).float(), data.y[start : start + 500].to(x.device), reduction="sum") / n
+            y = data.y[start : start + 500]
+            if ctx.task is None:
+                loss = F.cross_entropy(model(x).float(), y.to(x.device), reduction="sum") / n
+            else:  # the task's batch-mean loss, weighted by the chunk's share of the data
+                loss = ctx.task.loss(model(x), ctx.task.target(y).to(x.device)) * (len(y) / n)
             loss.backward()
         grads = {k: (params[k].grad.detach().float().clone() if params[k].grad is not None
                      else torch.zeros_like(params[k], dtype=torch.float32)) for k in ctx.shared_params}
