@@ -447,6 +447,10 @@ def _flower_finish(run_dir: Path, cfg) -> None:
 def _flower_config(config: Optional[str], set_: list[str], out: Path, resume: bool):
     """The experiment: with --resume and no config given, the one the run folder was started with."""
     if resume and config is None and not set_:
+        if not (out / "config.yaml").is_file():
+            raise ValueError(f"--resume without a config reads it from the run folder, but {out} has no config.yaml "
+                             "on this machine (the run folder lives where the server runs: the SuperLink's machine "
+                             "for `flower app`); run this there, or give the original config and --set values again")
         return load_run_config(out)
     return load_config(config, set_)
 

@@ -109,7 +109,9 @@ def test_resume_commands_read_the_config_from_the_run_folder_and_refuse_a_missin
     from fednorm.runs.config import load_config
 
     missing = CliRunner().invoke(app, ["flower", "sim", "--out", str(tmp_path / "none"), "--resume"])
-    assert missing.exit_code == 2 and "not a run folder" in missing.output
+    # the run folder lives where the server runs: the message says so, and how to resume from elsewhere
+    assert missing.exit_code == 2 and "no config.yaml" in missing.output
+    assert "give the original config" in " ".join(missing.output.split())
     config = tiny_config("federation.rounds=4")
     start_run(config, tmp_path / "run")  # a run folder (here finished in-process)
     out = CliRunner().invoke(app, ["flower", "app", str(tmp_path / "app"), "--out", str(tmp_path / "run"), "--resume"])
