@@ -251,3 +251,42 @@ def test_memory_format_is_channels_last_by_default_only_for_bf16(tiny_clients, s
     assert conv.weight.is_contiguous(memory_format=torch.channels_last) is expected
     x = eng.prepare(tiny_clients[0].train.x[:4])
     assert x.is_contiguous(memory_format=torch.channels_last) is expected and x.is_contiguous() is not expected
+
+
+@pytest.mark.parametrize("method,policy,fraction", [
+    ("moon", "local_bn", 1.0), ("feddc", "local_bn", 1.0), ("fedadam", "local_bn", 1.0),
+    ("scaffold", "local_bn_stats", 1.0), ("fixbn", None, 1.0), ("fedbn", None, 0.67)])
+def test_a_checkpoint_resumes_bit_identically_with_every_kind_of_state(tiny_clients, tmp_path, method, policy, fraction):
+    """Two rounds, checkpoint, load into a fresh engine, one more round: equal to three straight rounds, for
+    client-algorithm state (MOON's previous model, FedDC's drift, SCAFFOLD's c_i), server-optimizer moments,
+    kept momentum under local BN, FixBN across its switch (round 2 of 3) and a sampled cross-silo FedBN."""
+    from fednorm.runs import store
+
+    def build():
+        torch.manual_seed(0)
+        overrides = {"policy": policy} if policy else {}
+        if method == "fixbn":
+            overrides["freeze_bn_stats_at"] = 2
+        return InProcessEngine(DigitCNN(width=0.125), tiny_clients, resolve_method(method, **overrides),
+                               LocalTraining(batch_size=8, lr=0.05, momentum=0.9),
+                               Federation(seed=0, channels_last=False, persistent_optimizer=True, fraction=fraction,
+                                          rounds=3), normalize_batch)
+
+    straight = build()
+    for _ in range(3):
+        straight.run_round()
+    first = build()
+    for _ in range(2):
+        first.run_round()
+    store.save_checkpoint(tmp_path / "checkpoint.pt", first.state_dict())
+    resumed = build()
+    resumed.load_state_dict(store.load_checkpoint(tmp_path / "checkpoint.pt"))
+    resumed.run_round()
+    for k, v in straight.global_state.items():
+        assert torch.equal(resumed.global_state[k], v), k
+    assert straight.local_states.keys() == resumed.local_states.keys()
+    for name, state in straight.local_states.items():
+        for k, v in state.items():
+            assert torch.equal(resumed.local_states[name][k], v), (name, k)
+    assert [(e.client, e.split, e.accuracy, e.loss) for e in straight.evaluate()] == \
+        [(e.client, e.split, e.accuracy, e.loss) for e in resumed.evaluate()]
