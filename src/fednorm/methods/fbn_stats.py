@@ -71,7 +71,10 @@ def aggregate_fbn(
     replaced by it, the natural robust reading of Section 5 (the paper does not spell it out):
     m = Agg(m_i), v = Agg(v_i) + Kn/((Kn-1) beta) * Agg((m_i - m)^2), deviations taken from the robust m
     (alternative: plain average of those squared deviations). n is the number of rows, i.e. it counts
-    Byzantine clients too, matching the n the clients used in Kn (alternative: n - f).
+    Byzantine clients too, matching the n the clients used in Kn (alternative: n - f). An aggregator with NNM
+    (nearest-neighbour mixing) mixes each of the three quantities (m_i, v_i, (m_i - m)^2) by its own nearest
+    neighbours, so the neighbour sets may differ between them (the paper does not say; the alternative is to
+    pick neighbours once on the concatenated (m_i, v_i)).
     v is clamped to >= 0: a no-op for honest inputs (every term is non-negative), a guard against
     attacked inputs (implementation choice, not in the paper; sqrt(v + eps) would otherwise be NaN).
     """
