@@ -269,8 +269,9 @@ class ByzantineConfig(_Strict):
     targets: list[Literal["statistics", "parameters"]] = Field(
         default_factory=lambda: ["statistics"], min_length=1,
         description="what the attackers corrupt: BN statistics (the FBN paper's Section 5) and/or parameters")
-    # FOE's epsilon: the FBN paper gives no attack parameter; 0.1 is Xie et al.'s small-epsilon regime (the
-    # attackers send -0.1 times the honest mean). byzfl's InnerProductManipulation defaults to 2.0, a stronger attack
+    # FOE's epsilon: the FBN paper gives no attack parameter; 0.1 (the attackers send -0.1 times the honest mean)
+    # is a small epsilon, close to the honest vectors; byzfl's InnerProductManipulation defaults to 2.0, a larger
+    # push away from them. Sweep it (federation.byzantine.foe_eps) before comparing to the paper's figures
     foe_eps: float = Field(0.1, gt=0)
     alie_z: float | None = None
     sign_flip_own: bool = Field(False, description="SF on statistics: negate the attacker's own mean (else the "
