@@ -72,6 +72,27 @@ def test_full_gradient_is_the_gradient_of_the_mean_loss_over_the_first_samples()
     assert all(p.grad is None for p in model.parameters())  # leaves no gradient behind
 
 
+def test_full_gradient_of_an_fbn_model_does_not_depend_on_the_batching_and_leaves_its_statistics():
+    """FBN normalizes every sample with the shared statistics: the full-data gradient at theta is one number
+    whatever the mini-batches, and measuring it moves no running statistic."""
+    from fednorm.models.fbn import FederatedBatchNorm2d
+
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), FederatedBatchNorm2d(4), torch.nn.Flatten(),
+                                torch.nn.Linear(4 * 26 * 26, 10))
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = make_split(12, seed=3)
+    names = [n for n, _ in model.named_parameters()]
+    whole = full_gradient(model, data, CLASSIFICATION, normalize_batch, names, samples=12, batch_size=12)
+    batched = full_gradient(model, data, CLASSIFICATION, normalize_batch, names, samples=12, batch_size=4)
+    torch.testing.assert_close(batched, whole, rtol=1e-5, atol=1e-6)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
 def test_filter_normalized_direction_matches_each_filter_norm_and_ignores_biases():
     ref = {"conv": torch.randn(4, 3, 3, 3), "bias": torch.randn(4), "fc": torch.randn(5, 7)}
     d = filter_normalized_direction(ref, torch.Generator().manual_seed(0))

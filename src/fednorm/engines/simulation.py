@@ -426,13 +426,15 @@ class InProcessEngine:
         prepare = self.runner.evaluation_prepare(self.input_state)
         clients = self.clients if self.federation.fraction >= 1 else self.sample_clients(max(self.round - 1, 0))
         weights = client_weights([c.num_train for c in clients], self.federation.weighting)
-        torch.manual_seed(derive_seed(self.federation.seed, self.round, _DIAGNOSTIC_STREAM))  # dropout
         batch = max(self.training.batch_size, 2)  # BN batch statistics need two samples; the mean loss is the same
         gradients = []
-        for client in clients:
-            self.load_client(client.name)
-            gradients.append(full_gradient(self.model, client.train, self.training.task, prepare, self.shared_params,
-                                           samples, batch))
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):  # the run's random streams are left as they were
+            torch.manual_seed(derive_seed(self.federation.seed, self.round, _DIAGNOSTIC_STREAM))  # dropout
+            for client in clients:
+                self.load_client(client.name)
+                gradients.append(full_gradient(self.model, client.train, self.training.task, prepare,
+                                               self.shared_params, samples, batch))
         self.model.load_state_dict(self.global_state)
         return dissimilarity(gradients, weights)
 
