@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -37,6 +38,25 @@ def test_gamma_fraction_is_dealt_iid_and_sizes_are_equal():
     for p in parts:
         counts = torch.bincount(LABELS[p], minlength=10).sort(descending=True).values
         assert counts[:2].sum() >= 70 and counts[0] < 100
+
+
+@pytest.mark.parametrize("n,gamma", [(1000, 0.013), (1003, 0.3), (25, 0.96), (14400, 0.01), (997, 0.0), (997, 1.0)])
+def test_gamma_sizes_are_equal_when_nothing_divides_evenly(n, gamma):
+    """Client sizes are np.array_split's (differing by at most one), whatever the iid share rounds to; each
+    client holds exactly its iid share of one common uniform draw plus a block of the label-sorted rest."""
+    labels = torch.arange(n) % 10
+    parts = gamma_similarity_partition(labels, 10, gamma=gamma, seed=1)
+    assert_disjoint_cover(parts, n)
+    assert [len(p) for p in parts] == [len(a) for a in np.array_split(np.arange(n), 10)]
+    n_iid = int(round(gamma * n))
+    order = np.random.default_rng(1).permutation(n)
+    iid = [set(a.tolist()) for a in np.array_split(order[:n_iid], 10)]
+    for p, share in zip(parts, iid):
+        assert share <= set(p.tolist())
+        block = sorted(set(p.tolist()) - share, key=lambda i: (int(labels[i]), i))
+        if block:  # the rest of client k is one run of consecutive labels (sorted order is by label)
+            classes = sorted({int(labels[i]) for i in block})
+            assert classes == list(range(classes[0], classes[-1] + 1))
 
 
 def test_dirichlet_skew_grows_as_alpha_shrinks_and_respects_min_size():

@@ -30,8 +30,9 @@ def iid_partition(labels: torch.Tensor, num_clients: int, seed: int = 0) -> list
 def dirichlet_partition(
     labels: torch.Tensor, num_clients: int, alpha: float, seed: int = 0, min_size: int = 10, max_tries: int = 1000
 ) -> list[torch.Tensor]:
-    """Dirichlet label skew (Hsu et al. 2019): for each class, proportions q ~ Dir(alpha * 1) over the
-    clients and the class's samples split accordingly; redrawn until every client has ``min_size``
+    """Dirichlet label skew: for each class, proportions q ~ Dir(alpha * 1) over the clients and the class's
+    samples split accordingly (the per-class form of FedMA / NIID-Bench; Hsu et al. 2019 instead draw each
+    client's class mix from Dir(alpha p); the FBN paper does not say which); redrawn until every client has ``min_size``
     samples (the rule of the widely used FL benchmark code, e.g. FedMA / NIID-Bench). Small alpha is
     more skewed; alpha -> infinity approaches iid.
     """
@@ -74,7 +75,12 @@ def gamma_similarity_partition(labels: torch.Tensor, num_clients: int, gamma: fl
     n_iid = int(round(gamma * n))
     iid, rest = order[:n_iid], order[n_iid:]
     rest = rest[np.argsort(y[rest], kind="stable")]
-    parts = [np.concatenate([a, b]) for a, b in zip(np.array_split(iid, num_clients), np.array_split(rest, num_clients))]
+    # client k holds as many samples as np.array_split(n) gives it ("disjoint and equal in size", FBN Sec. 4): its
+    # iid share, then the sorted samples that fill it up (never negative: see the size arithmetic in the tests)
+    sizes = np.array([len(p) for p in np.array_split(np.arange(n), num_clients)])
+    iid_parts = np.array_split(iid, num_clients)
+    rest_parts = np.split(rest, np.cumsum(sizes - np.array([len(p) for p in iid_parts]))[:-1])
+    parts = [np.concatenate([a, b]) for a, b in zip(iid_parts, rest_parts)]
     return [torch.from_numpy(np.sort(p).astype(np.int64)) for p in parts]
 
 
