@@ -6,7 +6,9 @@ global amplitude of HarmoFL), on the first ``samples`` of its training split, in
 statistics, as local SGD sees them). Over the shared trainable parameters (the ones the server averages):
 
 - ``dissimilarity`` = sum_i p_i ||g_i||^2 / ||sum_i p_i g_i||^2, the B^2 of HarmoFL's assumption B.2 with
-  G = 0 (FedProx's "B-local dissimilarity"; 1 when every client has the same gradient);
+  G = 0 (FedProx's "B-local dissimilarity"; 1 when every client has the same gradient). p_i are the run's
+  aggregation weights: HarmoFL's B.2 writes the uniform 1/N, which this is under ``weighting: uniform`` (the
+  HarmoFL presets); with sample weights it is FedProx's weighted form;
 - ``pairwise`` = mean over client pairs of ||g_i - g_j||, the quantity HarmoFL's Eq. 8 bounds by eps;
 - ``grad_sq_mean`` = sum_i p_i ||g_i||^2 and ``global_grad_sq`` = ||sum_i p_i g_i||^2.
 
