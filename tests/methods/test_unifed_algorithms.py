@@ -389,3 +389,26 @@ def test_scaffold_option_two_recovers_a_constant_gradient_with_or_without_moment
     message = algo.on_end(ctx, model, 6)
     torch.testing.assert_close(ctx.client_state["c_i.weight"], grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(message["c.weight"], grad, rtol=1e-5, atol=1e-6)
+
+
+def test_scaffold_literal_step_count_divides_the_drift_by_k_lr_under_momentum():
+    """scaffold_effective_steps=False is the papers' formula c_i+ = c_i - c + (x - y_i) / (K lr) as written."""
+    from fednorm.methods.client_algorithms import Scaffold
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1, bias=False)
+    start = model.weight.detach().clone()
+    x = torch.randn(16, 4)
+    ctx = context(model, lr=0.05)
+    ctx.momentum = 0.9
+    ctx.server_state = {"c.weight": torch.zeros(1, 4)}
+    algo = Scaffold(ClientSpec("scaffold", scaffold_effective_steps=False))
+    algo.on_start(ctx, model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(6):
+        opt.zero_grad()
+        model(x).mean().backward()
+        algo.on_gradients(ctx, model)
+        opt.step()
+    algo.on_end(ctx, model, 6)
+    torch.testing.assert_close(ctx.client_state["c_i.weight"], (start - model.weight.detach()) / (6 * 0.05))

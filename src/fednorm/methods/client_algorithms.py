@@ -41,6 +41,10 @@ class ClientSpec:
 
     name: str = "sgd"
     scaffold_option: str = "II"  # SCAFFOLD's control-variate update: "I" (gradient at x) or "II" (cheap)
+    # option II's divisor K lr (SCAFFOLD and FedDC): K = the momentum-effective step count (True, our default: c_i
+    # stays a gradient estimate under momentum), or the literal K of the papers' plain-SGD formula (False;
+    # FedDC's official code divides by K lr whatever its momentum). The same without momentum
+    scaffold_effective_steps: bool = True
     # MOON: loss weight mu and temperature tau. tau = 0.5 is the paper's; mu = 1 is the official code's default
     # (the paper tunes mu in {0.1, 1, 5, 10}: 5 best on CIFAR-10, 1 on CIFAR-100 / Tiny-ImageNet)
     moon_mu: float = 1.0
@@ -224,7 +228,8 @@ class Scaffold(ClientAlgorithm):
             for k in ctx.shared_params:
                 c = ctx.server_state[f"c.{k}"]
                 ci = ctx.client_state.get(f"c_i.{k}", torch.zeros_like(c))
-                steps = effective_steps(num_steps, ctx.momentum, ctx.momentum_style)
+                steps = (effective_steps(num_steps, ctx.momentum, ctx.momentum_style)
+                         if self.spec.scaffold_effective_steps else num_steps)
                 drift = (ctx.global_state[k].float() - params[k].detach().float()) / (steps * ctx.lr)
                 new_ci[k] = ci - c + drift
         message = {}
