@@ -68,6 +68,45 @@ def test_output_is_invariant_to_weight_scale_and_shift():
     torch.testing.assert_close(conv(x), before, rtol=1e-4, atol=1e-4)
 
 
+def _geometry(conv):
+    return (conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+            conv.groups, conv.padding_mode)
+
+
+@pytest.mark.parametrize("build", ["resnet18", "mobilenet_v2", "frozen_bn_resnet18", "rmsnorm"])
+def test_convert_leaves_no_norm_of_any_kind_and_keeps_every_convs_geometry(build):
+    """Checked by class name, not by the converter's own list: nothing called *Norm* is left, and every conv keeps
+    kernel, stride, padding, dilation, groups and padding mode."""
+    import torchvision
+
+    if build == "frozen_bn_resnet18":
+        model = torchvision.models.resnet18(norm_layer=torchvision.ops.FrozenBatchNorm2d)
+    elif build == "rmsnorm":
+        model = nn.Sequential(nn.Conv2d(3, 4, 3, dilation=2, padding=2), nn.RMSNorm([4, 5, 5]))
+    else:
+        model = getattr(torchvision.models, build)()
+    before = [_geometry(m) for m in model.modules() if isinstance(m, nn.Conv2d)]
+    convert_to_ws(model)
+    # leaf modules only: torchvision's Conv2dNormActivation is a container named after what it held
+    assert not [type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__ and not list(m.children())]
+    after = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert all(isinstance(m, WSConv2d) for m in after)
+    assert [_geometry(m) for m in after] == before
+
+
+def test_convert_keeps_dtype_and_refuses_conv_subclasses_with_their_own_forward():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).double()
+    convert_to_ws(model)
+    assert model[0].weight.dtype == torch.float64 and model(torch.randn(1, 3, 5, 5, dtype=torch.float64)).dtype == torch.float64
+
+    class SamePadConv(nn.Conv2d):
+        def forward(self, x):
+            return super().forward(F.pad(x, (1, 1, 1, 1)))
+
+    with pytest.raises(ValueError, match=r"'1\.0'.*SamePadConv"):
+        convert_to_ws(nn.Sequential(nn.Identity(), nn.Sequential(SamePadConv(3, 4, 3))))
+
+
 def test_convert_removes_every_norm_and_swaps_every_conv():
     torch.manual_seed(0)
     model = nn.Sequential(

@@ -15,7 +15,8 @@ Listing 1 calls ``torch.var``, which is unbiased (1/(N-1)). The default is Listi
 (``variance="unbiased"``), the code the authors print; ``variance="biased"`` is Eq. 3's reading.
 
 :func:`convert_to_ws` turns an arbitrary torch model into a normalization-free one: every
-normalization layer (BatchNorm, GroupNorm, LayerNorm, InstanceNorm, LocalResponseNorm) becomes an
+normalization layer (BatchNorm, GroupNorm, LayerNorm, InstanceNorm, LocalResponseNorm, RMSNorm,
+torchvision's FrozenBatchNorm2d) becomes an
 ``Identity`` and every ``Conv2d`` (grouped, depthwise and downsample convolutions included) a
 :class:`WSConv2d` with the same geometry. Modules are selected by type, never by name.
 """
@@ -31,9 +32,20 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 VARIANCES = ("unbiased", "biased")
 WS_EPS = 1e-4
 
-NORM_LAYER_TYPES: tuple[type[nn.Module], ...] = (
-    _BatchNorm, _InstanceNorm, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm,
-)
+def _norm_layer_types() -> tuple[type[nn.Module], ...]:
+    types: list[type[nn.Module]] = [_BatchNorm, _InstanceNorm, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm]
+    if hasattr(nn, "RMSNorm"):
+        types.append(nn.RMSNorm)
+    try:  # torchvision's detection backbones freeze their BN into this (not a _BatchNorm)
+        from torchvision.ops import FrozenBatchNorm2d
+
+        types.append(FrozenBatchNorm2d)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+NORM_LAYER_TYPES: tuple[type[nn.Module], ...] = _norm_layer_types()
 
 
 class WSConv2d(nn.Conv2d):
@@ -112,16 +124,23 @@ def convert_to_ws(
     """
     remove_norm_layers(model)
 
-    def swap(parent: nn.Module) -> None:
+    def swap(parent: nn.Module, prefix: str) -> None:
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Conv2d:
-                setattr(parent, name, WSConv2d(
+            path = f"{prefix}{name}"
+            if isinstance(child, nn.Conv2d) and not isinstance(child, WSConv2d):
+                if type(child).forward is not nn.Conv2d.forward:
+                    # e.g. timm's Conv2dSame (dynamic padding): swapping it would silently change what it computes
+                    raise ValueError(f"conv {path!r} is a {type(child).__name__}, a Conv2d subclass with its own "
+                                     "forward; convert_to_ws cannot keep that behaviour in a WSConv2d: replace it "
+                                     "by a plain nn.Conv2d first")
+                ws = WSConv2d(
                     child.in_channels, child.out_channels, child.kernel_size, child.stride, child.padding,
                     child.dilation, child.groups, bias=child.bias is not None if bias is None else bias,
                     padding_mode=child.padding_mode, eps=eps, variance=variance,
-                ))
+                )
+                setattr(parent, name, ws.to(device=child.weight.device, dtype=child.weight.dtype))
             else:
-                swap(child)
+                swap(child, f"{path}.")
 
-    swap(model)
+    swap(model, "")
     return model
