@@ -91,3 +91,21 @@ def test_label_skew_clients_split_the_training_pool_and_share_the_test_split():
     assert sum(c.num_train for c in external) == 500 and external[0].test is test
     with pytest.raises(ValueError, match="label-skew scheme"):
         label_skew_clients("d", x, y, scheme="shards", num_clients=2)
+
+
+def test_a_domains_evaluation_client_validates_on_every_clients_validation_split():
+    """Under label skew one client's validation slice may hold one class: the domain's evaluation client (cross-device
+    and label-skew runs) validates on the union of its clients' ones, and tests on the shared test split."""
+    from fednorm.data.domain import ClientData, Split
+    from fednorm.data.federation import domain_eval_clients
+
+    def split(label, n):
+        return Split(torch.zeros(n, 3, 4, 4, dtype=torch.uint8), torch.full((n,), label))
+
+    test = split(9, 5)
+    clients = [ClientData(f"d-{k}", "d", split(k, 6), test, val=split(k, 2)) for k in range(3)]
+    clients.append(ClientData("e-0", "e", split(0, 6), test))
+    evals = domain_eval_clients(clients)
+    assert [c.name for c in evals] == ["d", "e"]
+    assert evals[0].val.y.tolist() == [0, 0, 1, 1, 2, 2] and evals[0].test is test
+    assert evals[1].val is None

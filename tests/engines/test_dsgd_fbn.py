@@ -92,3 +92,12 @@ def test_learning_rate_schedule_reaches_a_persistent_optimizer():
     _, state = train_locally(model, data, LocalTraining(steps=1, batch_size=4, lr=0.05, momentum=0.9),
                              generator=torch.Generator(), prepare=normalize_batch, optimizer_state=state)
     assert state["param_groups"][0]["lr"] == 0.05
+
+
+def test_centralized_bn_refuses_settings_it_would_silently_ignore():
+    """One model on the merged batches has no client state, server rule, client algorithm or FixBN switch."""
+    for override in ({"freeze_bn_stats_at": 0.5}, {"policy": "local_bn"}, {"prox_mu": 0.1},
+                     {"client": {"name": "scaffold"}}, {"server": {"rule": "median"}}, {"weight_perturbation": 0.05}):
+        with pytest.raises(ValueError, match="centralized BN"):
+            resolve_method("centralized_bn", **override)
+    resolve_method("centralized_bn", norm="fbn", agc_clip=0.64)  # what it does use is accepted

@@ -514,14 +514,21 @@ def domain_eval_clients(clients: list[ClientData]) -> list[ClientData]:
     """One evaluation client per domain (the first client of each, renamed to the domain).
 
     Every client of a domain shares the domain's test split; with stateless clients (cross-device)
-    they all hold the global model too, so evaluating each would repeat the same numbers.
+    they all hold the global model too, so evaluating each would repeat the same numbers. Its validation
+    split is the union of the domain's clients' ones (each client's is a slice of its own training data,
+    which under label skew may hold one class: model selection needs the domain's).
     """
-    seen: dict[str, ClientData] = {}
+    by_domain: dict[str, list[ClientData]] = {}
     for c in clients:
-        if c.domain not in seen:
-            seen[c.domain] = ClientData(name=c.domain, domain=c.domain, train=c.train, test=c.test, val=c.val,
-                                        origin=c.origin, meta={"evaluates": "global model on the domain's test split"})
-    return list(seen.values())
+        by_domain.setdefault(c.domain, []).append(c)
+    out = []
+    for domain, members in by_domain.items():
+        first = members[0]
+        vals = [c.val for c in members if c.val is not None]
+        val = type(vals[0]).concat(vals) if len(vals) > 1 else (vals[0] if vals else None)
+        out.append(ClientData(name=domain, domain=domain, train=first.train, test=first.test, val=val,
+                              origin=first.origin, meta={"evaluates": "global model on the domain's test split"}))
+    return out
 
 
 def pooled_client(clients: list[ClientData], name: str = "centralized") -> ClientData:

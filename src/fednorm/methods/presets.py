@@ -64,6 +64,17 @@ class Method:
             raise ValueError(f"amplitude_norm must be None, 'full' or 'code', got {self.amplitude_norm!r}")
         if self.pooled and self.union_batches:
             raise ValueError("pooled and union_batches are two different centralized references; pick one")
+        if self.union_batches:
+            # centralized BN is one model stepping on the merged batch (FBN Remark 4.1): no clients to keep state,
+            # no server rule, no client algorithm; these settings would be silently ignored
+            ignored = [key for key, on in (
+                ("policy", self.policy != "shared"), ("prox_mu", self.prox_mu > 0),
+                ("freeze_bn_stats_at", self.freeze_bn_stats_at is not None), ("client", self.client.name != "sgd"),
+                ("server", self.server.rule != "mean"), ("amplitude_norm", self.amplitude_norm is not None),
+                ("weight_perturbation", self.weight_perturbation > 0)) if on]
+            if ignored:
+                raise ValueError(f"method {self.name!r} is centralized BN (one model on the merged batches of each "
+                                 f"step), which has no use for {', '.join(ignored)}: remove them")
         if self.prox_schedule not in PROX_SCHEDULES:
             raise ValueError(f"prox_schedule must be one of {', '.join(PROX_SCHEDULES)}, got {self.prox_schedule!r}")
 
@@ -115,7 +126,8 @@ PRESETS: dict[str, Method] = {
                "included (FedAvg's BN handling, named as in the FBN paper)", "shared", norm="bn",
                paper="FBN baseline"),
         Method("centralized_bn", "Centralized BN: one model, each step on the merge of the clients' batches of "
-               "that step (batch n x b), standard BN", "shared", norm="bn", union_batches=True,
+               "that step (batch n x b), standard BN; the attack-free reference under federation.byzantine (no client "
+               "replies to attack)", "shared", norm="bn", union_batches=True,
                paper="FBN Remark 4.1"),
         Method("fedavgm", "FedAvgM: server momentum on the averaged update (beta 0.9, server lr 1)", "shared",
                server=ServerSpec("fedavgm", lr=1.0, momentum=0.9), paper="Hsu et al. 2019"),
