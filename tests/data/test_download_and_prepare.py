@@ -272,6 +272,16 @@ def test_fedbn_files_keep_their_own_split_in_the_federation(tmp_path):
             assert client.test.y.tolist() == test[1].tolist()
     even = build_clients(["svhn"], data_dir=data, partition="even", percent=1.0, pool_size=80, clients_per_domain=4)
     torch.testing.assert_close(torch.cat([c.train.x for c in even]), x[:80])
+    # label skew keeps the stored split too: the clients share FedBN's 80 training images, test on test.pkl
+    from fednorm.data.federation import load_domain
+    from fednorm.data.partition import label_skew_clients
+
+    loaded = load_domain("svhn", data_dir=data)
+    assert loaded.presplit == 80
+    skew = label_skew_clients("svhn", x, y, scheme="gamma", num_clients=4, gamma=0.5, seed=3, presplit=loaded.presplit)
+    images = sorted(t.numpy().tobytes() for c in skew for t in c.train.x)
+    assert images == sorted(t.numpy().tobytes() for t in x[:80])
+    assert all(torch.equal(c.test.x, x[80:]) for c in skew)
 
 
 def test_fedbn_missing_partition_is_named(tmp_path):

@@ -100,10 +100,12 @@ def label_skew_clients(
     seed: int = 0,
     origin: str = "real",
     test=None,
+    presplit: int | None = None,
 ):
     """``num_clients`` clients of one domain with label skew (FBN Sec. 4, FedWon Sec. 5).
 
-    The domain's pool is split 80/20 (stratified, ``seed``, as every fednorm domain); the first
+    The domain's pool is split 80/20 (stratified, ``seed``, as the FedBN protocol; ``presplit``: the pool is FedBN's
+    own files, whose stored split is kept, :func:`fednorm.data.protocol.pool_split`); the first
     ``pool_size`` training indices (all when None) are partitioned by ``scheme`` (``iid``, ``gamma``
     similarity or ``dirichlet`` with ``alpha``); every client is tested on the domain's whole test split
     (the FBN paper tests on CIFAR-10's test set). With ``test`` (a Split, e.g. CIFAR-10's official test
@@ -111,13 +113,13 @@ def label_skew_clients(
     ``<domain>-<k>``, k from 1.
     """
     from .domain import ClientData, Split
-    from .protocol import stratified_split
+    from .protocol import pool_split
 
     if scheme not in LABEL_SKEW_SCHEMES:
         raise ValueError(f"unknown label-skew scheme {scheme!r}; choose one of {', '.join(LABEL_SKEW_SCHEMES)}")
     pool = Split(x, y)
     if test is None:
-        train_idx, test_idx = stratified_split(y, seed=seed)
+        train_idx, test_idx = pool_split(y, seed, presplit)
     else:
         train_idx, test_idx = torch.arange(len(y)), None
     if pool_size is not None:

@@ -470,8 +470,9 @@ class ExperimentConfig(_Strict):
             if kind != "classification" and method.union_batches:
                 raise ValueError(f"method {m.display!r} merges the clients' batches, for image classification only")
             if task.kind == "segmentation":
-                # these client algorithms compute a classification cross-entropy of their own (client_algorithms.py)
-                if spec.name == "perfedavg" or (spec.name in ("scaffold", "feddc") and spec.scaffold_option == "I"):
+                # Per-FedAvg's meta-steps compute a classification cross-entropy of their own (client_algorithms.py);
+                # SCAFFOLD option I takes the task's loss
+                if spec.name == "perfedavg":
                     raise ValueError(f"method {m.display!r}: client algorithm {spec.name!r} computes its own "
                                      "classification loss, not the segmentation task's; use another")
                 if spec.name == "moon" and spec.moon_layer is None:

@@ -61,6 +61,23 @@ def test_cross_device_sampling_gives_the_in_process_numbers(tmp_path):
     assert metrics(tmp_path / "flower", config) == metrics(tmp_path / "in_process", config)
 
 
+def test_a_domains_validation_score_is_the_union_of_its_clients_validation_splits(tmp_path):
+    """Cross-device with validation data: the domain's validation score is over every client's validation slice
+    (each node scores its own, the server combines them by size), as in-process; the test score is unchanged."""
+    config = tiny_config("methods=[fedavg]", "federation.setting=cross_device", "data.partition=even",
+                         "data.clients_per_domain=4", "federation.fraction=0.5", "training.batch_size=4",
+                         "federation.rounds=2", "federation.eval_every=1", "data.val_fraction=0.2")
+    in_process_and_flower(tmp_path, config)
+    flower, local = metrics(tmp_path / "flower", config), metrics(tmp_path / "in_process", config)
+    for a, b in zip(flower["fedavg"], local["fedavg"], strict=True):
+        assert {k: v for k, v in a.items() if k not in ("acc", "loss")} == \
+            {k: v for k, v in b.items() if k not in ("acc", "loss")}
+        if "acc" in a:  # float32 losses summed in another order: equal up to rounding
+            assert a["acc"] == pytest.approx(b["acc"], rel=1e-12) and a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+    vals = [r for r in local["fedavg"] if r["split"] == "val"]
+    assert vals and all(r["n"] > 2 for r in vals)  # four clients' slices, not the first client's alone
+
+
 def test_diagnostics_that_need_every_clients_data_are_refused_on_flower(tmp_path):
     from fednorm.runs.runner import RunError
 

@@ -328,7 +328,8 @@ class NodeClients:
 
     def evaluate(self, message: Message, context: Context) -> Message:
         """Evaluate the client's model (global entries plus its own local state); for a domain evaluation
-        (``record_as`` a domain) the global model on the domain's first client's splits; for an external
+        (``record_as`` a domain) the global model on this client's splits as the domain's (the server asks the
+        domain's first client for the test split and every client for its validation slice); for an external
         client the global model under each of the cell's external modes."""
         cell = m.CellRequest.decode(message.content)
         engine, initial, client, spec = self._client(context, cell)

@@ -401,17 +401,34 @@ class FlowerEngine:
                 raise UpdateError(f"client {client!r} sent non-finite values in its client-algorithm message {k!r}")
 
     def evaluate(self, splits: tuple[str, ...] = ("test", "val")) -> list[Evaluation]:
-        """Every evaluation client's metrics, computed on its node with its own local state (a domain's
-        evaluation, with the global model, on the node of the domain's first client)."""
+        """Every evaluation client's metrics, computed on its node with its own local state. A domain's
+        evaluation (cross-device, label skew: the global model) takes the domain's test split on the node of its
+        first client, and its validation split as in-process, the union of the domain's clients' ones: each
+        client's node scores its own slice and the server combines them by size (exact for the global model)."""
         names = {c.name for c in self.core.clients}
         shared, input_state = self._global(), m.to_arrays(self.core.input_state)
-        plan = []
+        plan, record_of, val_parts = [], {}, {}
         for target in self.core.eval_clients:
-            source = target.name if target.name in names else next(
-                c.name for c in self.core.clients if c.domain == target.name)
-            plan.append((target.name, source, RecordDict({
-                m.CELL: self._cell(source, target.name, tuple(splits)).record(), m.GLOBAL: shared,
-                m.INPUT_STATE: input_state})))
+            content = {m.GLOBAL: shared, m.INPUT_STATE: input_state}
+            if target.name in names:
+                plan.append((target.name, target.name, RecordDict({
+                    m.CELL: self._cell(target.name, target.name, tuple(splits)).record(), **content})))
+                record_of[target.name] = target.name
+                continue
+            members = [c.name for c in self.core.clients if c.domain == target.name]
+            own = tuple(x for x in splits if x != "val")
+            if own:
+                plan.append((target.name, members[0], RecordDict({
+                    m.CELL: self._cell(members[0], target.name, own).record(), **content})))
+                record_of[target.name] = target.name
+            if "val" in splits:
+                val_parts[target.name] = []
+                for member in members:
+                    key = f"{member} (validation of {target.name})"
+                    plan.append((key, member, RecordDict({
+                        m.CELL: self._cell(member, target.name, ("val",)).record(), **content})))
+                    record_of[key] = target.name
+                    val_parts[target.name].append(key)
         modes = self.core.external_modes if "test" in splits and self.core.external_clients else ()
         average = None
         if "fedbn_average" in modes and self.core.bn_affine_is_local:  # else the nodes use the global affine
@@ -424,16 +441,27 @@ class FlowerEngine:
             if average is not None:
                 content[m.BN_AFFINE] = m.to_arrays(average)
             plan.append((client.name, client.name, content))
+            record_of[client.name] = client.name
         replies, dropped = self._send(MessageType.EVALUATE, plan, group=f"evaluate-{self.core.round}")
-        out: list[Evaluation] = []
-        for name, _, _ in plan:
-            if name not in replies:
+        found: dict[str, list[Evaluation]] = {}
+        for key, _, _ in plan:
+            if key not in replies:
                 continue
             try:
-                found = m.decode_evaluations(replies[name].content, name)
-                out += sorted(found, key=lambda e: self._order(e, splits))
+                found.setdefault(record_of[key], []).extend(m.decode_evaluations(replies[key].content, record_of[key]))
             except UpdateError as exc:
-                dropped[name] = str(exc)
+                dropped[key] = str(exc)
+        for domain, keys in val_parts.items():  # the domain's validation pieces, combined by size
+            pieces = [e for e in found.get(domain, []) if e.split == "val"]
+            found[domain] = [e for e in found.get(domain, []) if e.split != "val"]
+            total = sum(e.num_examples for e in pieces)
+            if total:
+                found[domain].append(Evaluation(
+                    domain, "val", sum(e.accuracy * e.num_examples for e in pieces) / total,
+                    sum(e.loss * e.num_examples for e in pieces) / total, total, pieces[0].metric))
+        out: list[Evaluation] = []
+        for name in dict.fromkeys(record_of.values()):  # plan order, each evaluated client once
+            out += sorted(found.get(name, []), key=lambda e: self._order(e, splits))
         for client, reason in dropped.items():
             log(WARNING, "fednorm: evaluation after round %s: client %r left out: %s", self.core.round, client, reason)
         self._record({"round": self.core.round, "kind": "evaluate", "evaluated": sorted({e.client for e in out}),
