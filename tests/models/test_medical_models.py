@@ -145,3 +145,15 @@ def test_registry_lines_build_the_models(monkeypatch, name, module, attr):
     monkeypatch.setitem(registry._BUILDERS, name, (module, attr))  # the lines proposed for _BUILDERS
     model = registry.build_model(name, num_classes=2, norm="gn", width=0.125)
     assert model(torch.randn(2, 3, 32, 32)).shape[:2] == (2, 2)
+
+
+def test_the_code_zero_pad_of_the_official_densenet_is_reachable_from_the_config():
+    from fednorm.models.densenet import densenet121
+    from fednorm.runs.config import ModelConfig
+
+    model = ModelConfig(name="densenet121", width=0.125, code_zero_pad=True).build(num_classes=2)
+    pads = [m for m in model.modules() if isinstance(m, torch.nn.ZeroPad2d)]
+    assert len(pads) == 1 and pads[0].padding == (2, 2, 2, 2)
+    assert not [m for m in densenet121(width=0.125).modules() if isinstance(m, torch.nn.ZeroPad2d)]
+    with pytest.raises(ValueError, match="code_zero_pad"):
+        ModelConfig(name="digit_cnn", code_zero_pad=True).build()

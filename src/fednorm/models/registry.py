@@ -26,7 +26,7 @@ _BUILDERS: dict[str, tuple[str, str]] = {
     "mlp": ("mlp", "MLP"),                       # FedBN ABIDE I: FC-16-BN-ReLU, FC-16-BN-ReLU, FC (feature vectors)
 }
 MODEL_NAMES = tuple(_BUILDERS)
-_OPTIONAL_DEFAULTS = {"classifier": "fedbn", "width": 1.0, "bn_mode": "running"}
+_OPTIONAL_DEFAULTS = {"classifier": "fedbn", "width": 1.0, "bn_mode": "running", "code_zero_pad": False}
 # facts about the data that a model may need (the FBN CNN's flatten size, the MLP's input length); dropped for
 # models without them
 _CONTEXT_OPTIONS = ("image_size", "in_features")

@@ -101,6 +101,8 @@ class ModelConfig(_Strict):
     bn_mode: Literal["running", "batch"] = Field(
         "running", description="unet / densenet121 only: batch = HarmoFL code's BatchNorm (no affine, batch statistics "
         "at evaluation too; no BN state for FedBN to keep local); running = the usual BatchNorm")
+    code_zero_pad: bool = Field(
+        False, description="densenet121 only: the HarmoFL code's ZeroPad2d(2) after the first dense block")
 
     def build(self, norm: str | None = None, num_classes: int = 10, image_size: int | None = None,
               in_features: int | None = None):
@@ -110,7 +112,7 @@ class ModelConfig(_Strict):
         if in_features:
             context["in_features"] = in_features
         model = build_model(self.name, num_classes=num_classes, norm=norm or self.norm, classifier=self.classifier,
-                            width=self.width, bn_mode=self.bn_mode, **context)
+                            width=self.width, bn_mode=self.bn_mode, code_zero_pad=self.code_zero_pad, **context)
         for module in model.modules():
             if isinstance(module, WSConv2d):
                 module.variance = self.ws_variance
