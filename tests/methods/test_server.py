@@ -117,6 +117,21 @@ def test_fednova_under_a_parameter_attack_normalizes_every_reply_by_its_own_step
     torch.testing.assert_close(new["w"], x - tau_eff * d)
 
 
+def test_fednova_under_fedprox_takes_the_rounds_learning_rate():
+    """a_k under FedProx depends on lr: with a decaying schedule the round's lr (given to begin) is the one used."""
+    x = torch.zeros(1, dtype=D)
+    values = [torch.tensor([-4.0], dtype=D), torch.tensor([-1.0], dtype=D)]
+    server = ServerUpdate(ServerSpec("fednova"), {"w": x.clone()}, param_keys={"w"},
+                          schedule=LocalSchedule(lr=0.1, prox_mu=0.5))
+    server.begin({"w": x.clone()}, lr=0.05)
+    for i, (v, steps) in enumerate(zip(values, [4, 1])):
+        server.add(ClientReply(f"c{i}", {"w": v.clone()}, 0.5, steps))
+    a = [fednova_norm(t, LocalSchedule(0.05, 0.0, 0.5)) for t in (4, 1)]
+    d = sum(0.5 * (x - v) / ak for v, ak in zip(values, a))
+    torch.testing.assert_close(server.finish()["w"], x - sum(0.5 * ak for ak in a) * d)
+    assert a[0] != fednova_norm(4, LocalSchedule(0.1, 0.0, 0.5))  # the base lr would give another a_k
+
+
 def test_fednova_momentum_norm_is_the_displacement_of_sgd_under_a_constant_gradient():
     rho, lr, tau = 0.9, 0.1, 7
     w = torch.zeros(1, requires_grad=True)

@@ -248,7 +248,7 @@ class InProcessEngine:
             # copies can still move them by float rounding (one ulp, seen with AVX-512 kernels): keep them as frozen
             frozen = ({k: self.global_state[k].clone() for k in self.frozen_stat_keys}
                       if self.freeze_round is not None and self.round >= self.freeze_round else {})
-            self.server.begin(self.global_state)
+            self.server.begin(self.global_state, lr=self.training.lr_at(self.round))
             for reply in replies:
                 self.server.add(reply)
             self.global_state.update(self.server.finish())

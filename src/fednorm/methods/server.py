@@ -39,7 +39,7 @@ statistics") and, if asked, on the parameters too.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -182,7 +182,11 @@ class ServerUpdate:
         self._global: dict[str, Tensor] = {}
 
     # ------------------------------------------------------------------ round protocol
-    def begin(self, global_state: dict[str, Tensor]) -> None:
+    def begin(self, global_state: dict[str, Tensor], lr: float | None = None) -> None:
+        """Start a round from ``global_state``; ``lr`` is the clients' learning rate this round (a decaying
+        schedule), which FedNova's ||a_k||_1 under FedProx depends on."""
+        if lr is not None and lr != self.schedule.lr:
+            self.schedule = replace(self.schedule, lr=lr)
         self._global = {k: global_state[k] for k in self.keys}
         self._replies: list[ClientReply] = []
         self._fbn_rows: dict[str, list[tuple[Tensor, Tensor, int]]] = {p: [] for p in self.fbn_layers}

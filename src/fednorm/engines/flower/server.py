@@ -321,7 +321,8 @@ class FlowerEngine:
         if diverged:
             raise DivergenceError(f"client {diverged[0]!r}, on its node: {diverged[1]}")
         if core.shared_keys:
-            core.server.begin(core.global_state)  # validate() checks replies against this round's global state
+            # validate() checks replies against this round's global state
+            core.server.begin(core.global_state, lr=core.training.lr_at(core.round))
         accepted: list[tuple[ClientReply, dict, LocalResult]] = []
         received: set[str] = set()
         for client, instructions in plan:
