@@ -170,6 +170,16 @@ def test_client_sampling_is_seeded_per_round():
     assert len({tuple(p) for p in picks}) > 1
 
 
+def test_sampled_count_is_c_times_k_rounded_half_up_and_at_least_one():
+    """max(C K, 1) clients (McMahan et al.): 0.5 of 5 and of 7 clients are 3 and 4 (not round-half-to-even's
+    2 and 4), 0.29 of 100 is 29 (not a float floor's 28), 0.01 of 5 is 1."""
+    def count(n, fraction):
+        clients = [ClientData(f"c{i}", "d", make_split(2, i), make_split(2, i)) for i in range(n)]
+        return len(engine(clients, "fedavg", fraction=fraction).sample_clients(0))
+
+    assert [count(5, 0.5), count(7, 0.5), count(100, 0.29), count(5, 0.01)] == [3, 4, 29, 1]
+
+
 def test_checkpoint_round_trip_continues_identically(tiny_clients):
     a = engine(tiny_clients, "fedbn")
     for _ in range(3):

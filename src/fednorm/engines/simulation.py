@@ -11,6 +11,7 @@ resume from a checkpoint.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
@@ -213,7 +214,9 @@ class InProcessEngine:
         n = len(self.clients)
         if self.federation.fraction >= 1:
             return list(self.clients)
-        m = max(1, round(self.federation.fraction * n))
+        # m = max(C K, 1) (McMahan et al. 2017), C K rounded half up: Python's round() halves to even (0.5 of 5
+        # clients would be 2, of 7 would be 4), and a floor would turn 0.29 x 100 = 28.999... into 28
+        m = max(1, math.floor(self.federation.fraction * n + 0.5))
         rng = np.random.default_rng(derive_seed(self.federation.seed, round_index, _SAMPLING_STREAM))
         chosen = np.sort(rng.choice(n, size=m, replace=False))
         return [self.clients[i] for i in chosen]
