@@ -77,3 +77,16 @@ def record_client_messages(engine) -> list[dict]:
     engine.runner.run = recording
     return messages
 
+
+
+def assert_control_variate_is_the_gradient_at(engine, client: str, start: dict, loss_of) -> None:
+    """SCAFFOLD option I: the client's c_i equals the gradient of ``loss_of(model)`` at the round's starting
+    global state ``start`` (eval-mode BN, as the full-data gradient at x), parameter by parameter."""
+    import copy
+
+    model = copy.deepcopy(engine.model)
+    model.load_state_dict(start)
+    model.eval()
+    loss_of(model).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(engine.algorithm_states[client][f"c_i.{k}"], p.grad, rtol=1e-4, atol=1e-6)

@@ -11,6 +11,8 @@ from fednorm.methods import LocalTraining, resolve_method, train_locally
 from fednorm.methods.client_algorithms import ClientContext
 from fednorm.models import DigitCNN
 
+from ..conftest import assert_control_variate_is_the_gradient_at
+
 TRAIN = LocalTraining(batch_size=8, lr=0.05)
 
 
@@ -85,14 +87,9 @@ def test_scaffold_option_one_uses_the_full_gradient_at_the_global_model(tiny_cli
     sc = engine(tiny_clients[:1], resolve_method("scaffold", client={"scaffold_option": "I"}))
     x = {k: v.clone() for k, v in sc.global_state.items()}
     sc.run_round()
-    model = copy.deepcopy(sc.model)
-    model.load_state_dict(x)
-    model.eval()
     data = tiny_clients[0].train
-    loss = torch.nn.functional.cross_entropy(model(normalize_batch(data.x)), data.y)
-    loss.backward()
-    for k, p in model.named_parameters():
-        torch.testing.assert_close(sc.algorithm_states["c0"][f"c_i.{k}"], p.grad, rtol=1e-4, atol=1e-6)
+    assert_control_variate_is_the_gradient_at(
+        sc, "c0", x, lambda model: torch.nn.functional.cross_entropy(model(normalize_batch(data.x)), data.y))
 
 
 def test_stateful_client_algorithms_are_refused_cross_device(tiny_clients):

@@ -282,34 +282,27 @@ def test_perfedavg_uses_a_batch_too_small_to_split_whole():
     assert [len(p[1]) for p in PerFedAvg.split_batch(linear(), x, y, 2)] == [2, 1]
 
 
-def test_perfedavg_evaluation_steps_on_labelled_test_samples_and_their_holdout():
-    model = linear(2)
-    start = [p.detach().clone() for p in model.parameters()]
+def test_perfedavg_evaluation_steps_on_labelled_samples_of_the_scored_split_and_their_holdout():
+    """Two SGD steps with lr alpha on 4 seeded samples of the split being scored: test samples for the test
+    metric (the default), validation samples for the validation metric (no test label in model selection)."""
     client = ClientData("c", "d", tiny_split(12, 9), tiny_split(10, 10), tiny_split(6, 11))
     alpha = 0.3
     algo = ClientSpec("perfedavg", perfedavg_alpha=alpha, perfedavg_eval_steps=2, perfedavg_eval_batch=4,
                       perfedavg_eval_seed=5).build()
-    algo.adapt_for_evaluation(model, client, prepare, lr=99.0)  # the engine's lr (beta) is not used
-    index = torch.randperm(10, generator=torch.Generator().manual_seed(5))[:4].sort().values
-    theta = start
-    for _ in range(2):
-        g, _ = grad_at(model, theta, prepare(client.test.x[index]), client.test.y[index])
-        theta = [t - alpha * gi for t, gi in zip(theta, g)]
-    for p, t in zip(model.parameters(), theta):
-        torch.testing.assert_close(p.detach(), t, rtol=1e-5, atol=1e-6)
-    assert torch.equal(algo.evaluation_holdout(client, "test"), index)
-    # the validation metric adapts on the validation split's own samples (no test label in model selection)
-    model_val = linear(2)
-    model_val.load_state_dict(dict(zip([n for n, _ in model.named_parameters()], start)))
-    algo.adapt_for_evaluation(model_val, client, prepare, lr=99.0, split="val")
-    index_val = torch.randperm(6, generator=torch.Generator().manual_seed(5))[:4].sort().values
-    theta = start
-    for _ in range(2):
-        g, _ = grad_at(model_val, theta, prepare(client.val.x[index_val]), client.val.y[index_val])
-        theta = [t - alpha * gi for t, gi in zip(theta, g)]
-    for p, t in zip(model_val.parameters(), theta):
-        torch.testing.assert_close(p.detach(), t, rtol=1e-5, atol=1e-6)
-    assert torch.equal(algo.evaluation_holdout(client, "val"), index_val)
+    for split in ("test", "val"):
+        model = linear(2)
+        start = [p.detach().clone() for p in model.parameters()]
+        extra = {} if split == "test" else {"split": split}  # the test split is the default
+        algo.adapt_for_evaluation(model, client, prepare, lr=99.0, **extra)  # the engine's lr (beta) is not used
+        data = getattr(client, split)
+        index = torch.randperm(len(data), generator=torch.Generator().manual_seed(5))[:4].sort().values
+        theta = start
+        for _ in range(2):
+            g, _ = grad_at(model, theta, prepare(data.x[index]), data.y[index])
+            theta = [t - alpha * gi for t, gi in zip(theta, g)]
+        for p, t in zip(model.parameters(), theta):
+            torch.testing.assert_close(p.detach(), t, rtol=1e-5, atol=1e-6)
+        assert torch.equal(algo.evaluation_holdout(client, split), index)
 
 
 def test_perfedavg_evaluation_on_training_data_holds_out_nothing():
