@@ -25,7 +25,7 @@ from torch import nn
 
 from ..data.domain import Split
 from ..methods.tasks import Task
-from ..methods.local_update import bn_statistics_kept
+from ..models.norm import buffers_kept
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def full_gradient(model: nn.Module, data: Split, task: Task, prepare: Callable[[
         y = task.target(data.y[start:stop]).to(x.device)
         # every mini-batch sees the model's statistics as they are: an FBN layer normalizes with its running
         # statistics, which a training forward would otherwise move for the next mini-batch of this measurement
-        with bn_statistics_kept(model):  # restored after backward, which may hold the buffers (native BN)
+        with buffers_kept(model):  # restored after backward, which may read the buffers (native BN)
             loss = task.loss(model(x), y) * ((stop - start) / n)
             loss.backward()
     grads = [params[k].grad if params[k].grad is not None else torch.zeros_like(params[k]) for k in names]

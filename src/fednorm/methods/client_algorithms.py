@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..models.norm import buffers_kept
+
 PERFEDAVG_VARIANTS = ("fo", "hf")
 PERFEDAVG_EVAL_DATA = ("test", "train")
 
@@ -520,22 +522,20 @@ class PerFedAvg(ClientAlgorithm):
         """HF's [grad f(theta + delta u; D'') - grad f(theta - delta u; D'')] / (2 delta), buffers untouched."""
         delta = self.spec.perfedavg_delta
         x_h, y_h = piece
-        buffers = [(b, b.detach().clone()) for b in model.buffers()]
         start = [p.detach().clone() for p in params]
         vectors = [torch.zeros_like(p) if ui is None else ui.detach() for p, ui in zip(params, u)]
         sides = []
-        for sign in (1.0, -1.0):
-            with torch.no_grad():
-                for p, s, v in zip(params, start, vectors):
-                    p.copy_(s + sign * delta * v.to(p.dtype))
-            loss = F.cross_entropy(forward(x_h).float(), y_h)
-            grads = torch.autograd.grad(loss, params, allow_unused=True)
-            sides.append([torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads)])
+        with buffers_kept(model):
+            for sign in (1.0, -1.0):
+                with torch.no_grad():
+                    for p, s, v in zip(params, start, vectors):
+                        p.copy_(s + sign * delta * v.to(p.dtype))
+                loss = F.cross_entropy(forward(x_h).float(), y_h)
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                sides.append([torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads)])
         with torch.no_grad():
             for p, s in zip(params, start):
                 p.copy_(s)
-            for b, saved in buffers:
-                b.copy_(saved)
         return [(gp - gm) / (2 * delta) for gp, gm in zip(*sides)]
 
     # ------------------------------------------------------------------ evaluation

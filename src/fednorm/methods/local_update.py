@@ -19,15 +19,15 @@ variant is not offered.)
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..data.domain import Split
+from ..models.norm import buffers_kept
 from .agc import agc_parameters, clip_unitwise_
 from .aggregation import DivergenceError
 from .client_algorithms import ClientAlgorithm, ClientContext
@@ -167,21 +167,6 @@ def build_optimizer(params, cfg: LocalTraining, state: dict | None = None) -> to
 
 def has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, _BatchNorm) for m in model.modules())
-
-
-@contextmanager
-def bn_statistics_kept(model: nn.Module) -> Iterator[None]:
-    """Forward passes inside leave every BatchNorm layer's running statistics and batch counter as they
-    were (they still normalize with their batch statistics in training mode): the second, perturbed pass
-    of SAM / HarmoFL's weight perturbation, whose activations at theta + delta are not the model's."""
-    saved = [(b, b.clone()) for m in model.modules() if isinstance(m, _BatchNorm)
-             for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
 
 
 def batch_schedule(
@@ -327,7 +312,7 @@ def train_locally(
             perturbation.perturb()
             optimizer.zero_grad(set_to_none=True)
             try:
-                with bn_statistics_kept(model):
+                with buffers_kept(model):
                     training_loss(x, y).backward()
             finally:
                 perturbation.restore()  # the step starts from theta, with the gradient of theta + delta

@@ -18,7 +18,7 @@ Each step costs **two forward and two backward passes**. With this wrapper alone
 statistics (and anything else a forward pass updates in training mode) are updated by both passes;
 the official code has no running statistics (``track_running_stats=False``), so it is silent on this.
 :func:`fednorm.methods.local_update.train_locally` (every engine's client step) runs the second pass
-inside :func:`~fednorm.methods.local_update.bn_statistics_kept`, so only the first pass counts.
+inside :func:`~fednorm.models.norm.buffers_kept`, so only the first pass counts.
 
 Usage, with any base optimizer (its momentum and weight decay then act on ``g_delta`` at the
 restored weights, as in the code)::

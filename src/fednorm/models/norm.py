@@ -18,8 +18,10 @@ class.
 
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
+import torch
 from torch import nn
 
 from .wsconv import WSConv2d
@@ -90,3 +92,19 @@ def norm_factory(kind: str) -> Callable[..., nn.Module]:
     """``norm_layer``-style factory (torchvision convention: called with the channel count)."""
     check_norm(kind)
     return lambda num_features, spatial=True: make_norm(kind, num_features, spatial=spatial)
+
+
+@contextmanager
+def buffers_kept(model: nn.Module) -> Iterator[None]:
+    """Forward passes inside leave every buffer of ``model`` as it was: BatchNorm's (and FBN's) running statistics
+    and batch counters are restored on exit, while training-mode layers still normalize with their batch
+    statistics. For passes whose activations are not the model's own: the perturbed pass of SAM / HarmoFL's
+    weight perturbation, Per-FedAvg's finite differences, a diagnostic's measurement. Exit after ``backward``:
+    native BatchNorm's backward may read the buffers."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
