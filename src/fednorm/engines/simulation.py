@@ -177,17 +177,15 @@ class InProcessEngine:
         if method.client.name == "perfedavg" and self.training.task.kind != "classification":
             raise ValueError(f"method {method.name!r} uses Per-FedAvg, whose meta-steps and evaluation steps are "
                              "cross-entropy on class labels: it supports classification only")
-        bns = [m for m in self.model.modules() if isinstance(m, _BatchNorm)]
-        with_stats = any(m.track_running_stats for m in bns)
-        needs_stats = method.policy == "local_bn_stats" or method.freeze_bn_stats_at is not None
-        if has_bn and (needs_stats and not with_stats or method.policy == "local_bn" and not
-                       any(m.track_running_stats or m.affine for m in bns)):
-            # batch-statistics BN (model.bn_mode: batch, HarmoFL's code) holds no state: the method would be FedAvg
+        # batch-statistics BN (model.bn_mode: batch, HarmoFL's code) holds no state: nothing to keep local or freeze,
+        # and the method would silently run as FedAvg
+        no_state = method.policy in ("local_bn", "local_bn_stats") and not self.local_keys
+        no_stats = method.freeze_bn_stats_at is not None and not any(
+            m.track_running_stats for m in self.model.modules() if isinstance(m, _BatchNorm))
+        if has_bn and (no_state or no_stats):
             raise ValueError(
-                f"method {method.name!r} keeps BatchNorm {'statistics' if needs_stats else 'state'} local or frozen, "
-                "but the model's BatchNorm layers keep no running statistics"
-                + ("" if needs_stats else " and no affine parameters")
-                + " (model.bn_mode: batch): it would silently run as FedAvg; use model.bn_mode: running")
+                f"method {method.name!r} keeps BatchNorm state local or frozen, but the model's BatchNorm layers keep "
+                "none (model.bn_mode: batch): it would silently run as FedAvg; use model.bn_mode: running")
         if method.union_batches and self.training.steps is None:
             raise ValueError(
                 f"method {method.name!r} steps on the merge of the clients' batches of each step, which needs a "
