@@ -104,6 +104,13 @@ class ModelConfig(_Strict):
     code_zero_pad: bool = Field(
         False, description="densenet121 only: the HarmoFL code's ZeroPad2d(2) after the first dense block")
 
+    @model_validator(mode="after")
+    def _zero_pad_is_densenets(self) -> "ModelConfig":
+        if self.code_zero_pad and self.name != "densenet121":
+            raise ValueError(f"model.code_zero_pad is the HarmoFL code's DenseNet-121 padding; model {self.name!r} has "
+                             "none (set model.name: densenet121 or leave it false)")
+        return self
+
     def build(self, norm: str | None = None, num_classes: int = 10, image_size: int | None = None,
               in_features: int | None = None):
         """The model, with ``norm`` (a method's own normalization) in place of ``self.norm`` if given;
