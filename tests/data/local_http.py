@@ -1,7 +1,8 @@
 """A localhost HTTP server over a temp folder, for download tests without network.
 
 ``http.server.SimpleHTTPRequestHandler`` ignores ``Range`` (always 200, whole file), so this handler
-implements ``Range: bytes=N-`` itself, can be told to ignore it or to cut a response short, and
+implements ``Range: bytes=N-`` itself, can be told to ignore it, to send the body chunked or to cut
+a response short, and
 logs every request (path, Range header, status, bytes of body sent).
 """
 
@@ -21,6 +22,7 @@ class ServerState:
     base_url: str = ""
     support_range: bool = True
     cut_after: int | None = None  # send only this many body bytes, then close (interrupted download)
+    chunked: bool = False  # Transfer-Encoding: chunked (one chunk of the whole body), no Content-Length
     log: list[dict] = field(default_factory=list)
 
     def url(self, name: str) -> str:
@@ -62,7 +64,10 @@ def _handler(state: ServerState):
                 entry["status"] = 200
                 self.send_response(200)
             body = data[start:]
-            self.send_header("Content-Length", str(len(body)))
+            if state.chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
+                self.send_header("Content-Length", str(len(body)))
             self.send_header("Accept-Ranges", "bytes" if state.support_range else "none")
             self.end_headers()
             if state.cut_after is not None:
@@ -71,7 +76,12 @@ def _handler(state: ServerState):
             # recorded before writing: the client may have read the whole body (and the test checked the log)
             # before this thread runs again, so setting it afterwards would race under load
             entry["sent"] = len(body)
-            self.wfile.write(body)
+            if state.chunked:  # the chunk header promises the whole body; a cut leaves it short
+                self.wfile.write(f"{len(data) - start:x}\r\n".encode() + body)
+                if state.cut_after is None:
+                    self.wfile.write(b"\r\n0\r\n\r\n")
+            else:
+                self.wfile.write(body)
 
     return Handler
 

@@ -95,6 +95,27 @@ def test_oversized_part_restarts_after_416(server, tmp_path):
     assert [e["status"] for e in server.log] == [416, 200]
 
 
+def test_whole_part_is_finished_without_downloading_again(server, tmp_path):
+    """A run stopped between the last write and the rename: the server's 416 says the .part is whole."""
+    dest = tmp_path / "file.bin"
+    dest.with_name("file.bin.part").write_bytes(PAYLOAD)
+    download(server.url("file.bin"), dest, _sha(PAYLOAD), progress=False)
+    assert dest.read_bytes() == PAYLOAD and not dest.with_name("file.bin.part").exists()
+    assert [e["status"] for e in server.log] == [416]
+
+
+def test_chunked_response_cut_short_keeps_part_then_resumes(server, tmp_path):
+    """http.client raises IncompleteRead (not an OSError) when a chunked body ends early."""
+    dest = tmp_path / "file.bin"
+    server.chunked, server.cut_after = True, 70_000
+    with pytest.raises(DataError, match="interrupted .* kept: run again to resume"):
+        download(server.url("file.bin"), dest, _sha(PAYLOAD), progress=False)
+    assert 0 < dest.with_name("file.bin.part").stat().st_size <= 70_000
+    server.cut_after = None
+    download(server.url("file.bin"), dest, _sha(PAYLOAD), progress=False)
+    assert dest.read_bytes() == PAYLOAD and server.log[-1]["status"] == 206
+
+
 def test_sha_mismatch_deletes_download_and_names_everything(server, tmp_path):
     dest = tmp_path / "file.bin"
     wrong = "ab" * 32

@@ -18,7 +18,7 @@ from PIL import Image
 from fednorm.data import prepare
 from fednorm.data.domain import DataError, Split
 from fednorm.data.federation import build_clients, image_size, load_domain, num_classes, parse_domain
-from fednorm.data.objects import DOMAINNET, OFFICE_CALTECH10, image_to_array, load_object_domain
+from fednorm.data.objects import DOMAINNET, OFFICE_CALTECH10, RawImages, image_to_array, load_object_domain
 from fednorm.data.prepare import RawFile
 from fednorm.data.protocol import fedbn_object_clients
 
@@ -195,6 +195,41 @@ def test_office_missing_listed_image_and_missing_archive_are_explained(tmp_path)
     with pytest.raises(DataError) as info:
         prepare.prepare_office_caltech10(tmp_path / "data", raw_dir=tmp_path / "empty", download=False)
     assert "office_caltech_10_dataset.zip" in str(info.value) and str(tmp_path / "empty") in str(info.value)
+
+
+def test_fedbn_lists_are_read_as_fedbn_reads_them(tmp_path):
+    """FedBN loads its lists with np.load(allow_pickle=True): a pickled tuple, a pickled 2 x N array and
+    an .npy file under the .pkl name all give the same (paths, labels)."""
+    paths = ["office_caltech_10/amazon/mug/a.jpg", "office_caltech_10/amazon/bike/b.jpg"]
+    labels = ["mug", "bike"]
+    (tmp_path / "amazon_train.pkl").write_bytes(pickle.dumps((np.array(paths), np.array(labels))))
+    (tmp_path / "caltech_train.pkl").write_bytes(pickle.dumps(np.array([paths, labels])))
+    with (tmp_path / "dslr_train.pkl").open("wb") as fh:
+        np.save(fh, np.array([paths, labels]))
+    (tmp_path / "webcam_train.pkl").write_bytes(pickle.dumps({"paths": paths}))
+    with RawImages(tmp_path) as raw:
+        for name in ("amazon_train.pkl", "caltech_train.pkl", "dslr_train.pkl"):
+            keys, y, _ = raw.read_list(name, OFFICE_CALTECH10.classes)
+            assert keys == [("amazon", "mug", "a.jpg"), ("amazon", "bike", "b.jpg")]
+            assert y.tolist() == [OFFICE_CALTECH10.classes.index("mug"), OFFICE_CALTECH10.classes.index("bike")]
+        with pytest.raises(DataError, match="webcam_train.pkl must hold a pickled pair"):
+            raw.read_list("webcam_train.pkl", OFFICE_CALTECH10.classes)
+
+
+def test_office_folder_without_its_test_list_downloads_fedbns_archive(office_raw, tmp_path, monkeypatch):
+    """Images and a train list but no test list is not FedBN's protocol: the archive is fetched."""
+    raw, _ = office_raw
+    partial = tmp_path / "partial"
+    with zipfile.ZipFile(raw / "office_caltech_10_dataset.zip") as zf:
+        zf.extractall(partial, [n for n in zf.namelist() if "/webcam" in n and not n.endswith("_test.pkl")])
+    assert (partial / "office_caltech_10/webcam_train.pkl").is_file()
+    with serve_folder(raw) as server:
+        name = "office_caltech_10_dataset.zip"
+        monkeypatch.setitem(prepare.OFFICE_SOURCES, "archive", RawFile(server.url(name), name))
+        prepare.prepare_office_caltech10(tmp_path / "data", raw_dir=partial, progress=False, size=SIZE,
+                                         domains=["webcam"])
+        assert [e["path"] for e in server.log] == [f"/{name}"]
+    assert "FedBN's train/test lists" in _manifest(tmp_path / "data")[f"office_caltech10_webcam_{SIZE}"]["source"]
 
 
 def test_missing_prepared_file_says_which_command_writes_it(tmp_path):

@@ -37,6 +37,12 @@ _FIX = (
 _verified: set[tuple[str, int, int, str]] = set()
 
 
+def is_junk_path(parts: Sequence[str]) -> bool:
+    """Files an archiver or OS adds beside the data: macOS ``__MACOSX/`` and ``._x`` AppleDouble
+    entries, hidden dot files. Raw-data readers skip them instead of failing to decode them."""
+    return "__MACOSX" in parts or parts[-1].startswith(".")
+
+
 def resolve_data_dir(explicit: str | Path | None = None) -> Path:
     """The data folder: ``explicit`` (the ``--data-dir`` option) if given, else ``$FEDNORM_DATA``
     if set and non-empty, else the per-user cache folder. Nothing is created or checked here."""

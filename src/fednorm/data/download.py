@@ -10,10 +10,12 @@ failure is a :class:`DataError` that names the URL or file and says how to fix i
 from __future__ import annotations
 
 import hashlib
+import http.client
 import os
 import re
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from fednorm.data.domain import DataError
@@ -65,20 +67,29 @@ def verify_file(path: str | Path, *, sha256: str | None = None, md5: str | None 
         )
 
 
+@dataclass
+class _RangeRefused:
+    """The server's 416 to a resume: ``total`` is the file's size from ``Content-Range: bytes */N``."""
+
+    total: int | None
+
+
 def _open(url: str, start: int, timeout: float):
+    """The response, or :class:`_RangeRefused` when a resume from ``start`` is refused (416)."""
     headers = {"User-Agent": _USER_AGENT}
     if start > 0:
         headers["Range"] = f"bytes={start}-"
     try:
         return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout)
     except urllib.error.HTTPError as exc:
-        if exc.code == 416 and start > 0:  # the partial file is not a prefix the server knows
-            return None
+        if exc.code == 416 and start > 0:  # the .part is already whole, or not a prefix the server knows
+            match = re.fullmatch(r"bytes\s+\*/(\d+)", (exc.headers or {}).get("Content-Range", "").strip())
+            return _RangeRefused(int(match.group(1)) if match else None)
         raise DataError(
             f"Download of {url} failed: HTTP {exc.code} {exc.reason}. Check that the URL is still "
             f"the official one, or download the file by hand and put it where it is expected."
         ) from exc
-    except (urllib.error.URLError, OSError) as exc:
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", exc)
         raise DataError(
             f"Cannot download {url}: {reason}. This needs network access; without it, download "
@@ -133,8 +144,10 @@ def download(
     start = part.stat().st_size if part.is_file() else 0
 
     response = _open(url, start, timeout)
-    if response is None:  # 416: start again from nothing
-        part.unlink(missing_ok=True)
+    if isinstance(response, _RangeRefused):
+        if response.total == start:  # the .part is whole: an earlier run stopped before its rename
+            return _finish(part, dest, url, sha256, md5)
+        part.unlink(missing_ok=True)  # not a prefix of the server's file: start again from nothing
         start = 0
         response = _open(url, 0, timeout)
     with response:
@@ -168,7 +181,7 @@ def download(
                     done += len(chunk)
                     if bar is not None:
                         bar.update(task, completed=done)
-        except OSError as exc:
+        except (OSError, http.client.HTTPException) as exc:  # IncompleteRead: a chunked reply cut short
             raise DataError(
                 f"Download of {url} was interrupted after {done} bytes ({exc}). "
                 f"The partial file {part} is kept: run again to resume."
@@ -181,6 +194,11 @@ def download(
             f"Download of {url} ended after {done} of {total} bytes. "
             f"The partial file {part} is kept: run again to resume."
         )
+    return _finish(part, dest, url, sha256, md5)
+
+
+def _finish(part: Path, dest: Path, url: str, sha256: str | None, md5: str | None) -> Path:
+    """Check the whole ``.part`` against the known digests, then rename it to ``dest``."""
     bad = _mismatch(part, sha256, md5)
     if bad is not None:
         algorithm, expected, actual = bad

@@ -32,7 +32,6 @@ the papers' resolution.
 from __future__ import annotations
 
 import io
-import pickle
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -40,7 +39,7 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 import torch
 
-from .datafolder import load_npz
+from .datafolder import is_junk_path, load_npz
 from .domain import DataError, Split
 
 DEFAULT_SIZE = 64
@@ -161,10 +160,6 @@ def image_to_array(image, size: int) -> np.ndarray:
     return np.asarray(image, dtype=np.uint8)
 
 
-def _is_junk(parts: tuple[str, ...]) -> bool:
-    return "__MACOSX" in parts or parts[-1].startswith("._") or parts[-1].startswith(".")
-
-
 class RawImages:
     """Images and FedBN list files found under a folder: loose files and members of any ``.zip``.
 
@@ -190,7 +185,7 @@ class RawImages:
                 self._add(path.relative_to(self.root).parts, None, str(path))
 
     def _add(self, parts: tuple[str, ...], container, member: str) -> None:
-        if not parts or _is_junk(parts):
+        if not parts or is_junk_path(parts):
             return
         name = parts[-1]
         if name.endswith(("_train.pkl", "_test.pkl")):
@@ -247,17 +242,20 @@ class RawImages:
     def read_list(self, name: str, classes: tuple[str, ...]) -> tuple[list[tuple[str, str, str]], np.ndarray, str]:
         """FedBN list ``name``: image keys, labels (uint8, in ``classes`` order) and where it was read.
 
-        The file is a pickled ``(paths, text_labels)`` (FedBN reads it with ``np.load(...,
-        allow_pickle=True)``). Pickle can run code: only read lists from a source you trust.
+        The file is a pickled ``(paths, text_labels)``, read as FedBN reads it: ``np.load(...,
+        allow_pickle=True)``, which also takes a pickled 2 x N array or an ``.npy`` file under the
+        ``.pkl`` name. Pickle can run code: only read lists from a source you trust.
         """
         ref = self.lists[name]
         try:
             with self._open(ref) as fh:
-                obj = pickle.load(fh)
+                obj = np.load(io.BytesIO(fh.read()), allow_pickle=True)
         except Exception as exc:  # noqa: BLE001 - unpickling can raise almost anything
             raise DataError(f"Cannot unpickle the FedBN list {self.where(ref)} ({type(exc).__name__}: {exc}). "
                             "Get FedBN's data archive again.") from exc
-        if not isinstance(obj, (tuple, list)) or len(obj) != 2:
+        if isinstance(obj, np.ndarray) and obj.dtype == object and obj.ndim == 0:
+            obj = obj.item()  # a pickled tuple saved through np.save
+        if not isinstance(obj, (tuple, list, np.ndarray)) or len(obj) != 2:
             raise DataError(f"The FedBN list {self.where(ref)} must hold a pickled pair (paths, labels), got "
                             f"{type(obj).__name__}.")
         paths, labels = [str(p) for p in np.asarray(obj[0]).reshape(-1)], [str(t) for t in np.asarray(obj[1]).reshape(-1)]

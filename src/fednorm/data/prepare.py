@@ -520,7 +520,8 @@ def prepare_office_caltech10(data_dir: Path, *, raw_dir: Path | None = None, dow
             f"image folders <domain>/<class>/<image> there.")
 
     def complete(raw: RawImages) -> bool:
-        return all(raw.domain_keys(d, ds.classes) and f"{d}_train.pkl" in raw.lists for d in wanted)
+        return all(raw.domain_keys(d, ds.classes) and {f"{d}_train.pkl", f"{d}_test.pkl"} <= raw.lists.keys()
+                   for d in wanted)
 
     archive = raw_dir / src.filename
     raw = RawImages(raw_dir)

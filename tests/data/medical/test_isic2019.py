@@ -91,6 +91,20 @@ def test_prepare_from_raw_folder_and_zip_applies_flamby_preprocessing(tmp_path):
         assert np.array_equal(f["x_train"][0], isic.center_crop(isic.flamby_preprocess(src), 200, "x"))
 
 
+def test_flamby_truncated_short_side_still_gives_the_full_crop(tmp_path):
+    """FLamby's int() resize gives 1024 x 767 a 223-px short side; the prepared image is still 224 x 224."""
+    src = np.random.default_rng(1).integers(0, 256, (767, 1024, 3), dtype=np.uint8)
+    assert isic.flamby_preprocess(src).shape == (223, 299, 3)
+    raw = tmp_path / "raw"
+    rows = _split_csv(raw, per_center=(1, 1))
+    _images(raw / isic.RAW_DIR, rows, (767, 1024, 3))
+    prepare_fed_isic2019(tmp_path / "d", raw_dir=raw, download=False, check_counts=False, centers=("bcn",))
+    with np.load(tmp_path / "d" / "fed_isic2019" / "bcn.npz") as f:
+        assert f["x_train"].shape == (1, 224, 224, 3)
+    with pytest.raises(DataError, match="222 x 222, smaller than the 224 x 224"):
+        isic.center_crop(np.zeros((222, 222, 3), np.uint8), 224, "x")
+
+
 def test_color_constancy_is_flambys_formula_clipped():
     rng = np.random.default_rng(0)
     img = rng.integers(0, 200, (20, 30, 3), dtype=np.uint8)

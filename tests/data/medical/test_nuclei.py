@@ -86,6 +86,9 @@ def test_tnbc_release_zip_and_folders(tmp_path):
     with zipfile.ZipFile(raw / "TNBC_NucleiSegmentation.zip", "w") as zf:
         for p in sorted(staging.rglob("*.png")):
             zf.write(p, p.relative_to(tmp_path).as_posix())
+        # what macOS's Archive Utility adds: AppleDouble files that match Slide_nn/*.png but are not PNGs
+        zf.writestr("__MACOSX/TNBC_NucleiSegmentation/Slide_01/._01_0.png", b"\x00\x05\x16\x07")
+        zf.writestr("TNBC_NucleiSegmentation/Slide_02/._02_1.png", b"\x00\x05\x16\x07")
     data = tmp_path / "data"
     prepare_nuclei(data, raw_dir=raw, download=False, clients=("tnbc",))
     with np.load(data / "nuclei" / "tnbc.npz") as f:

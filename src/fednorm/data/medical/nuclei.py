@@ -48,7 +48,7 @@ from xml.etree import ElementTree
 import numpy as np
 import torch
 
-from ..datafolder import load_npz
+from ..datafolder import is_junk_path, load_npz
 from ..domain import DataError, Domain
 from ._common import (RawFile, SegmentationSplit, check_choice, fetch, nhwc_to_nchw, read_image, resize_image,
                       resize_mask, write_dataset_file)
@@ -118,9 +118,10 @@ def _pairs(folder: Path) -> list[tuple[Path, Path]]:
     mask_dir = next((folder / d for d in _MASK_DIRS if (folder / d).is_dir()), None)
     if not images_dir.is_dir() or mask_dir is None:
         raise DataError(f"{folder} must hold images/ and masks/ (or labels/) folders.")
-    masks = {p.stem: p for p in mask_dir.iterdir() if p.suffix.lower() in (*_IMAGE_EXTS, ".xml")}
+    masks = {p.stem: p for p in mask_dir.iterdir()
+             if p.suffix.lower() in (*_IMAGE_EXTS, ".xml") and not is_junk_path((p.name,))}
     pairs = []
-    for img in sorted(p for p in images_dir.iterdir() if p.suffix.lower() in _IMAGE_EXTS):
+    for img in sorted(p for p in images_dir.iterdir() if p.suffix.lower() in _IMAGE_EXTS and not is_junk_path((p.name,))):
         if img.stem not in masks:
             raise DataError(f"The image {img} has no mask {mask_dir}/{img.stem}.(png|tif|xml|...).")
         pairs.append((img, masks[img.stem]))
@@ -144,7 +145,9 @@ def _holdout(n: int, seed: int) -> np.ndarray:
 
 
 def _tnbc_members(names: list[str]) -> list[tuple[str, str]]:
-    """(image, mask) member pairs of the TNBC release: ``Slide_nn/x.png`` with ``GT_nn/x.png``."""
+    """(image, mask) member pairs of the TNBC release: ``Slide_nn/x.png`` with ``GT_nn/x.png``
+    (macOS ``__MACOSX/`` and ``._x.png`` entries skipped)."""
+    names = [n for n in names if not is_junk_path(n.split("/"))]
     pattern = re.compile(r"(?:^|/)Slide_(\d+)/([^/]+\.png)$", re.IGNORECASE)
     index = {n.lower(): n for n in names}
     pairs = []
