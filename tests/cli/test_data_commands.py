@@ -95,6 +95,24 @@ def test_data_prepare_medical_sites_and_raw_dir(tmp_path):
     assert bad.exit_code == 2 and "unknown prostate site 'Mars'" in bad.output
 
 
+def test_data_prepare_prostate_seeded_order(tmp_path):
+    """Without HarmoFL's slice-order files the error names --seeded-order, which then prepares the site."""
+    from ..data.medical.test_prostate import _site
+
+    raw = tmp_path / "official"
+    _site(raw, "BIDMC", [15, 14])
+    args = ["data", "prepare", "prostate", "--domains", "BIDMC", "--raw-dir", str(raw), "--no-download", "--quiet",
+            "--data-dir", str(tmp_path / "data")]
+    refused = runner.invoke(app, args)
+    assert refused.exit_code == 2 and "fednorm data prepare prostate --seeded-order" in _flat(refused.output)
+    result = runner.invoke(app, [*args, "--seeded-order"])
+    assert result.exit_code == 0, result.output
+    with np.load(tmp_path / "data" / "prostate" / "BIDMC.npz") as f:
+        assert f["cases"].tolist() == ["Case00.nii.gz", "Case01.nii.gz"] and "harmofl_index" not in f
+    bad = runner.invoke(app, ["data", "prepare", "nuclei", "--seeded-order", "--data-dir", str(tmp_path)])
+    assert bad.exit_code == 2 and "--seeded-order applies to prostate only" in bad.output
+
+
 def test_data_list_says_how_to_get_every_domain(tmp_path):
     listed = runner.invoke(app, ["data", "list", "--data-dir", str(tmp_path)])
     assert listed.exit_code == 0

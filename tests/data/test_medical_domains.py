@@ -82,8 +82,10 @@ def test_camelyon17_folder_becomes_clients_with_the_official_splits(camelyon_dir
 
 
 def test_medical_data_errors_are_clear(tmp_path, camelyon_dir):
-    with pytest.raises(DataError, match=r"hospital1\.npz.*missing.*prepare_camelyon17"):
+    with pytest.raises(DataError, match=r"hospital1\.npz.*missing.*fednorm data prepare camelyon17 --data-dir"):
         build_clients(HOSPITALS, data_dir=tmp_path)
+    with pytest.raises(DataError, match=r"fednorm data prepare prostate --domains BIDMC --data-dir"):
+        build_clients(["prostate/BIDMC"], data_dir=tmp_path)
     with pytest.raises(DataError, match="needs a data folder"):
         build_clients(HOSPITALS, data_dir=None)
     with pytest.raises(ValueError, match="one client per site"):

@@ -237,6 +237,19 @@ def test_missing_prepared_file_says_which_command_writes_it(tmp_path):
         load_domain("office_caltech10/caltech@256", data_dir=tmp_path)
     with pytest.raises(DataError, match="fednorm data prepare domainnet --domains real"):
         load_domain("domainnet/real", data_dir=tmp_path)
+    # a file that is there but damaged names the same command, as does a missing CIFAR-10 file
+    from fednorm.data.cifar10 import load_cifar10
+    from fednorm.data.prepare import write_dataset_file
+
+    x, y = np.zeros((2, SIZE, SIZE, 3), np.uint8), np.zeros(2, np.uint8)
+    path = write_dataset_file(tmp_path, OFFICE_CALTECH10.file("dslr", SIZE), {"x_train": x, "y_train": y,
+                              "x_test": x, "y_test": y}, key="dslr", source="test")
+    path.write_bytes(path.read_bytes()[:-1] + b"x")
+    with pytest.raises(DataError, match=f"Checksum mismatch.*fednorm data prepare office_caltech10 --size {SIZE} "
+                                        "--domains dslr --data-dir"):
+        load_domain(f"office_caltech10/dslr@{SIZE}", data_dir=tmp_path)
+    with pytest.raises(DataError, match="cifar10.npz is missing.*fednorm data prepare cifar10 --data-dir"):
+        load_cifar10(tmp_path)
 
 
 def test_domain_names_and_sizes():

@@ -340,6 +340,8 @@ def data_prepare(
     domains: Optional[str] = typer.Option(None, "--domains", help="office_caltech10/domainnet (domains), prostate/nuclei/"
                                           "fed_isic2019 (sites): comma-separated (default all)"),
     no_download: bool = typer.Option(False, "--no-download", help="never download; use the files in --raw-dir"),
+    seeded_order: bool = typer.Option(False, "--seeded-order", help="prostate: volumes in name order and a seeded "
+                                      "split, instead of HarmoFL's slice order files"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
 ) -> None:
     """Download (resumable, checksummed) and convert a dataset into the data folder's npz format.
@@ -353,7 +355,8 @@ def data_prepare(
         _fail(ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(PREPARERS)}"))
     try:
         paths = prepare_dataset(dataset, resolve_data_dir(data_dir), raw_dir=raw_dir, download=not no_download,
-                                progress=not quiet, size=size, domains=domains, fedbn_dir=fedbn_dir)
+                                progress=not quiet, size=size, domains=domains, fedbn_dir=fedbn_dir,
+                                seeded_order=seeded_order)
     except (DataError, ValueError) as exc:
         _fail(exc)
     for p in paths:

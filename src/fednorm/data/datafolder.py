@@ -79,7 +79,15 @@ def _manifest_entry(data_dir: Path, relpath: str) -> dict | None:
     return None
 
 
-def _verify(path: Path, entry: dict) -> None:
+def _redo(data_dir: Path, relpath: str) -> str:
+    """How to get ``relpath`` again: its ``fednorm data prepare`` command, or a fresh copy."""
+    from .prepare import prepare_command  # prepare reads files through this module
+
+    command = prepare_command(relpath, data_dir)
+    return f"Write it again with: {command}" if command else "Re-download or re-copy it from the data source"
+
+
+def _verify(path: Path, entry: dict, redo: str) -> None:
     """Check size then sha256 of ``path`` against its manifest entry (memoized per process)."""
     expected_sha = str(entry.get("sha256", "")).lower()
     expected_size = entry.get("bytes")
@@ -87,7 +95,6 @@ def _verify(path: Path, entry: dict) -> None:
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, expected_sha)
     if key in _verified:
         return
-    redo = "Re-download or re-copy this file from the data source"
     if expected_size is not None and stat.st_size != int(expected_size):
         raise DataError(
             f"Data file {path} has the wrong size: expected {int(expected_size)} bytes (manifest), "
@@ -120,22 +127,22 @@ def load_npz(
     if not path.is_file():
         raise DataError(
             f"Data file {path} is missing from the data folder {data_dir}. "
-            f"Copy or download it there. {_FIX}."
+            f"{_redo(data_dir, relpath).replace(' again', '')}. {_FIX}."
         )
     entry = _manifest_entry(data_dir, relpath)
     if entry is not None:
-        _verify(path, entry)
+        _verify(path, entry, _redo(data_dir, relpath))
     try:
         npz = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise DataError(
             f"Data file {path} is not a readable npz archive ({type(exc).__name__}: {exc}). "
-            f"Re-download or re-copy it. {_FIX}."
+            f"{_redo(data_dir, relpath)}. {_FIX}."
         ) from exc
     if not isinstance(npz, np.lib.npyio.NpzFile):
         raise DataError(
             f"Data file {path} holds a single .npy array, not an npz archive of named arrays. "
-            f"Re-download or re-copy it. {_FIX}."
+            f"{_redo(data_dir, relpath)}. {_FIX}."
         )
     with npz:
         available = list(npz.files)
@@ -144,14 +151,14 @@ def load_npz(
         if missing:
             raise DataError(
                 f"Data file {path} lacks the array(s) {missing}; it has {available}. "
-                f"It is not in the documented format. Re-download or re-copy it. {_FIX}."
+                f"It is not in the documented format. {_redo(data_dir, relpath)}. {_FIX}."
             )
         try:
             return {k: npz[k] for k in wanted}
         except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
             raise DataError(
                 f"Data file {path} has an unreadable array ({type(exc).__name__}: {exc}). "
-                f"Re-download or re-copy it. {_FIX}."
+                f"{_redo(data_dir, relpath)}. {_FIX}."
             ) from exc
 
 
@@ -174,7 +181,7 @@ def verify_folder(data_dir: Path) -> list[tuple[str, str]]:
             report.append((str(entry["file"]), "missing"))
             continue
         try:
-            _verify(path, entry)
+            _verify(path, entry, _redo(data_dir, str(entry["file"])))
             report.append((str(entry["file"]), "ok"))
         except DataError as exc:
             report.append((str(entry["file"]), str(exc).split(". ")[0]))

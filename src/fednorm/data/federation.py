@@ -351,19 +351,18 @@ def load_medical(domain: str, *, data_dir: Path | None, seed: int = 0, options: 
     from . import medical
 
     spec = parse_domain(domain)
-    dataset = spec.benchmark
-    prepare = f"fednorm.data.medical.prepare_{dataset}"
+    from .prepare import prepare_command
+
     if data_dir is None:
         raise DataError(f"domain {domain!r} needs a data folder holding {spec.file}: pass --data-dir DIR or set "
-                        f"FEDNORM_DATA, after writing the file with {prepare}(DATA_DIR)")
+                        f"FEDNORM_DATA, after writing the file with {prepare_command(spec.file, 'DIR')}")
     data_dir = Path(data_dir)
     path = data_dir / spec.file
     if not path.is_file():
         raise DataError(
             f"domain {domain!r} reads {path}, which is missing (data folder {data_dir}). It is not downloaded by a "
-            f"run: write it with {prepare}(DATA_DIR, raw_dir=...) from the official files (the preparer's docstring "
-            f"and its error messages say what to download and where to put it), e.g. python -c \"from "
-            f"fednorm.data.medical import prepare_{dataset}; prepare_{dataset}('{data_dir}')\"")
+            f"run: write it from the official files with {prepare_command(spec.file, data_dir)} (add --raw-dir "
+            "DIR where they are; its error messages say what to download and where to put it)")
     check_medical_options([domain], options)
     loaded = medical.load_medical_domain(domain, data_dir, seed=seed, **(options or {}))
     if len(loaded.train) == 0:

@@ -32,7 +32,7 @@ import tarfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 
@@ -608,13 +608,34 @@ def preparer_for(domain: str) -> str | None:
     return None
 
 
+def prepare_command(relpath: str, data_dir: Path | str) -> str | None:
+    """The ``fednorm data prepare`` command that writes ``relpath`` of a data folder (what a missing or
+    damaged file's error names), or None for a file that only comes with the offline copy."""
+    path = PurePosixPath(str(relpath).replace("\\", "/"))
+    top, stem = path.parts[0], path.stem
+    name, options = None, ""
+    for dataset, file in DIGIT_FILES.items():
+        if path.as_posix() == file:
+            name = dataset
+    if top in OBJECT_PREPARERS and "_" in stem:
+        domain, size = stem.rsplit("_", 1)
+        name = top
+        options = ("" if size == str(DEFAULT_SIZE) else f" --size {size}") + f" --domains {domain}"
+    elif top in PREPARERS and top not in DIGIT_FILES:
+        name = top
+        if top in MEDICAL_SITE_OPTIONS:
+            options = f" --domains {stem}"
+    return None if name is None else f"fednorm data prepare {name}{options} --data-dir {data_dir}"
+
+
 def prepare_dataset(dataset: str, data_dir: Path, *, raw_dir: Path | None = None, download: bool = True,
                     progress: bool = True, size: int | None = None, domains=None,
-                    fedbn_dir: Path | None = None) -> list[Path]:
+                    fedbn_dir: Path | None = None, seeded_order: bool = False) -> list[Path]:
     """``fednorm data prepare DATASET``: run the dataset's preparer and return the files written.
 
     ``size`` applies to the object benchmarks; ``domains`` to them and to the medical datasets of
-    :data:`MEDICAL_SITE_OPTIONS` (their sites); ``fedbn_dir`` to svhn and synthdigits. Raises
+    :data:`MEDICAL_SITE_OPTIONS` (their sites); ``fedbn_dir`` to svhn and synthdigits; ``seeded_order``
+    (``harmofl_order=False``) to prostate. Raises
     ValueError for an unknown dataset or an option that does not apply, and the preparer's
     :class:`DataError` (what to download, where to put it) when files are missing.
     """
@@ -630,7 +651,9 @@ def prepare_dataset(dataset: str, data_dir: Path, *, raw_dir: Path | None = None
         if dataset not in DIGIT_FILES:
             raise ValueError("--fedbn-dir applies to svhn and synthdigits only")
         return [prepare_fedbn_digits(dataset, Path(data_dir), Path(fedbn_dir))]
-    extra: dict = {}
+    if seeded_order and dataset != "prostate":
+        raise ValueError("--seeded-order applies to prostate only")
+    extra: dict = {"harmofl_order": False} if seeded_order else {}
     if dataset in OBJECT_PREPARERS:
         extra["domains"] = domains or None
         if size is not None:

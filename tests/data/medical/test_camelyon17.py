@@ -108,6 +108,24 @@ def test_prepare_from_archive_and_subset(tmp_path, monkeypatch):
     assert x.shape == (3, 3, 96, 96)
 
 
+@pytest.mark.parametrize("filters", [True, False], ids=["extraction-filters", "python-without-filters"])
+def test_bundle_extraction_refuses_members_outside_the_folder(tmp_path, monkeypatch, filters):
+    """Python before 3.10.12 / 3.11.4 has no tarfile filters: the same archives extract or are refused."""
+    if not filters:
+        monkeypatch.delattr(tarfile, "data_filter", raising=False)
+    good, evil = tmp_path / "good.tar", tmp_path / "evil.tar"
+    (tmp_path / "metadata.csv").write_text("x")
+    with tarfile.open(good, "w") as tar:
+        tar.add(tmp_path / "metadata.csv", arcname="camelyon17_v1.0/metadata.csv")
+    with tarfile.open(evil, "w") as tar:
+        tar.add(tmp_path / "metadata.csv", arcname="../escaped.csv")
+    cam._extract(good, tmp_path / "out")
+    assert (tmp_path / "out" / "camelyon17_v1.0" / "metadata.csv").read_text() == "x"
+    with pytest.raises(DataError, match="evil.tar"):
+        cam._extract(evil, tmp_path / "out2")
+    assert not (tmp_path / "escaped.csv").exists()
+
+
 def test_missing_and_corrupt_files_are_named(tmp_path):
     with pytest.raises(DataError, match="codalab") as info:
         prepare_camelyon17(tmp_path / "data", raw_dir=tmp_path / "raw", download=False)

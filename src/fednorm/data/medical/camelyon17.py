@@ -111,7 +111,16 @@ def _find_root(raw_dir: Path) -> Path | None:
 def _extract(archive: Path, dest: Path) -> None:
     try:
         with tarfile.open(archive, "r:*") as tar:
-            tar.extractall(dest, filter="data")
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(dest, filter="data")
+            else:  # Python < 3.10.12 / 3.11.4 has no extraction filters: refuse what "data" would refuse
+                unsafe = [m.name for m in tar.getmembers() if m.name.startswith(("/", "\\")) or ".." in
+                          Path(m.name).parts or m.issym() or m.islnk() or m.isdev()]
+                if unsafe:
+                    raise DataError(f"{archive} has members that would be written outside {dest} or are links "
+                                    f"({', '.join(unsafe[:3])}). It is not the WILDS bundle: delete it and "
+                                    "download it again.")
+                tar.extractall(dest)
     except (tarfile.TarError, OSError, EOFError) as exc:
         raise DataError(f"Cannot extract {archive} ({type(exc).__name__}: {exc}). Delete it and "
                         "download the bundle again.") from exc

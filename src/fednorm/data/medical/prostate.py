@@ -148,7 +148,8 @@ def _load_index(path: Path, site: str, n: int) -> np.ndarray:
     if index.dtype.kind not in "iu" or index.shape != (n,) or not np.array_equal(np.sort(index), np.arange(n)):
         raise DataError(f"{path} is not a permutation of the {n} slices extracted for {site} (it has "
                         f"{index.size} entries). The volumes differ from the authors' release, or the file is "
-                        "wrong: use the SAML release unchanged, or prepare with harmofl_order=False.")
+                        "wrong: use the SAML release unchanged, or prepare with harmofl_order=False (fednorm data "
+                        "prepare prostate --seeded-order).")
     return index.astype(np.int64)
 
 
@@ -181,7 +182,8 @@ def prepare_prostate(data_dir: Path, *, raw_dir: Path | None = None, download: b
         if harmofl_order:
             hdir = raw_dir / "harmofl"
             hint = (f"Get it from the HarmoFL repository ({{url}}) into {hdir}, or prepare with "
-                    "harmofl_order=False (seeded split instead of the authors' slice order).")
+                    "harmofl_order=False (fednorm data prepare prostate --seeded-order: a seeded split instead of the "
+                    "authors' slice order).")
             files = HARMOFL_PROSTATE_FILES[site]
             listing_path = fetch(files["dir"], hdir, download=download, progress=progress,
                                  manual=hint.format(url=files["dir"].url))
@@ -192,7 +194,8 @@ def prepare_prostate(data_dir: Path, *, raw_dir: Path | None = None, download: b
             if missing or len(masks) != len(present):
                 raise DataError(f"{site_dir} does not hold the volumes HarmoFL's {listing_path.name} lists "
                                 f"(missing: {missing[:5]}, listed {len(masks)}, present {len(present)}). "
-                                f"Use the SAML release unchanged, or prepare with harmofl_order=False.")
+                                "Use the SAML release unchanged, or prepare with harmofl_order=False (fednorm data "
+                                "prepare prostate --seeded-order).")
         else:
             masks = present
         xs, ys, cases, slices = [], [], [], []
