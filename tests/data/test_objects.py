@@ -309,6 +309,31 @@ def test_domainnet_official_zip_and_fedbn_lists(tmp_path):
         build_clients([f"domainnet/clipart@{SIZE}"], data_dir=data, percent=1.0)
 
 
+def test_domainnet_without_fedbn_lists_uses_the_official_split_files(tmp_path):
+    """DomainNet's own <domain>_train.txt / _test.txt (345-class labels) decide train and test when FedBN's
+    lists are absent; images outside the ten classes are left out."""
+    raw = tmp_path / "raw"
+    lists = _domainnet_zips(raw, np.random.default_rng(5))
+    (raw / "domainnet_dataset.zip").unlink()
+    for part, (paths, _) in lists.items():
+        other = "clipart/aircraft_carrier/clipart_001_000001.jpg 1"
+        # the official file lists a test image as training and the reverse: the split follows the file
+        lines = [f"{p.removeprefix('DomainNet/')} {300 + i}" for i, p in enumerate(lists["test" if part == "train"
+                                                                                           else "train"][0])]
+        (raw / f"clipart_{part}.txt").write_text("\n".join([other, *lines]) + "\n")
+    data = tmp_path / "data"
+    with pytest.warns(UserWarning, match="official train/test split"):
+        prepare.prepare_domainnet(data, raw_dir=raw, download=False, progress=False, size=SIZE, domains=["clipart"])
+    train, test = load_domain(f"domainnet/clipart@{SIZE}", data_dir=data).parts()
+    assert len(train) == 5 and len(test) == 12
+    assert [DOMAINNET.classes[i] for i in train.y.tolist()] == lists["test"][1]
+    assert "official train/test split" in _manifest(data)[f"domainnet_clipart_{SIZE}"]["source"]
+    (raw / "clipart_test.txt").write_text("just-a-name 3\n")
+    with pytest.raises(DataError, match="clipart_test.txt is not '<domain>/<class>/<image> <label>'"):
+        prepare.prepare_domainnet(tmp_path / "d2", raw_dir=raw, download=False, progress=False, size=SIZE,
+                                  domains=["clipart"])
+
+
 def test_domainnet_protocol_fractions_and_missing_zip_download(tmp_path, monkeypatch):
     raw = tmp_path / "raw"
     _domainnet_zips(raw, np.random.default_rng(4), "sketch", n_train=220, n_test=4)

@@ -188,7 +188,7 @@ class RawImages:
         if not parts or is_junk_path(parts):
             return
         name = parts[-1]
-        if name.endswith(("_train.pkl", "_test.pkl")):
+        if name.endswith(("_train.pkl", "_test.pkl", "_train.txt", "_test.txt")):
             self.lists.setdefault(name, (container, member))
         elif name.lower().endswith(IMAGE_SUFFIXES) and len(parts) >= 3:
             self.images.setdefault(tuple(parts[-3:]), (container, member))
@@ -202,6 +202,29 @@ class RawImages:
         for member in zf.namelist():
             if not member.endswith("/"):
                 self._add(PurePosixPath(member).parts, zf, member)
+
+    def read_txt_list(self, name: str, classes: tuple[str, ...]) -> tuple[list[tuple[str, str, str]], np.ndarray, str]:
+        """DomainNet's official split file ``name`` (``<domain>_train.txt``: lines ``clipart/bird/x.jpg 12``)
+        kept to ``classes``: image keys, labels in ``classes`` order (by class folder; the file's own
+        numbers index all 345 classes) and where it was read."""
+        ref = self.lists[name]
+        try:
+            with self._open(ref) as fh:
+                lines = fh.read().decode("utf-8").splitlines()
+        except (OSError, UnicodeDecodeError, zipfile.BadZipFile) as exc:
+            raise DataError(f"Cannot read DomainNet's split file {self.where(ref)} ({exc}). Get it again.") from exc
+        keys = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            parts = PurePosixPath(line.split()[0]).parts
+            if len(parts) < 3:
+                raise DataError(f"Line {number} of {self.where(ref)} is not '<domain>/<class>/<image> <label>': "
+                                f"{line!r}. Is it DomainNet's official split file?")
+            if parts[-2] in classes:
+                keys.append(tuple(parts[-3:]))
+        index = {c: i for i, c in enumerate(classes)}
+        return keys, np.array([index[k[1]] for k in keys], dtype=np.uint8), self.where(ref)
 
     def close(self) -> None:
         for zf in self._zips:

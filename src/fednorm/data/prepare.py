@@ -447,21 +447,37 @@ def _convert(raw: RawImages, keys: list, size: int, progress: bool, label: str) 
     return out
 
 
+def _listed_split(ds: ObjectDataset, raw: RawImages, names: tuple[str, str], fetch_hint: str, kind: str):
+    """``({"train": (keys, labels), "test": ...}, where)`` from a pair of split files, every image present."""
+    read = raw.read_list if kind == "FedBN list" else raw.read_txt_list
+    split, where = {}, []
+    for part, name in zip(("train", "test"), names):
+        keys, labels, origin = read(name, ds.classes)
+        missing = [k for k in keys if k not in raw.images]
+        if missing:
+            raise DataError(
+                f"{len(missing)} image(s) of the {kind} {origin} are not in {raw.root}, e.g. "
+                f"{'/'.join(missing[0])}. {fetch_hint}")
+        split[part] = (keys, labels)
+        where.append(origin)
+    return split, ", ".join(where)
+
+
 def _domain_split(ds: ObjectDataset, raw: RawImages, domain: str, fetch_hint: str):
-    """``{"train": (keys, labels), "test": ...}`` of a domain and a description of the split used."""
+    """``{"train": (keys, labels), "test": ...}`` of a domain and a description of the split used:
+    FedBN's lists, else (DomainNet) the official ``<domain>_train.txt`` / ``_test.txt`` kept to the ten
+    classes, else a seeded stratified 80/20 split of the image folder."""
     names = (f"{domain}_train.pkl", f"{domain}_test.pkl")
     if all(n in raw.lists for n in names):
-        split, where = {}, []
-        for part, name in zip(("train", "test"), names):
-            keys, labels, origin = raw.read_list(name, ds.classes)
-            missing = [k for k in keys if k not in raw.images]
-            if missing:
-                raise DataError(
-                    f"{len(missing)} image(s) of the FedBN list {origin} are not in {raw.root}, e.g. "
-                    f"{'/'.join(missing[0])}. {fetch_hint}")
-            split[part] = (keys, labels)
-            where.append(origin)
-        return split, f"FedBN's train/test lists ({', '.join(where)})"
+        split, where = _listed_split(ds, raw, names, fetch_hint, "FedBN list")
+        return split, f"FedBN's train/test lists ({where})"
+    official = (f"{domain}_train.txt", f"{domain}_test.txt")
+    if ds is DOMAINNET and all(n in raw.lists for n in official):
+        split, where = _listed_split(ds, raw, official, fetch_hint, "DomainNet split file")
+        warnings.warn(f"{ds.title} {domain}: FedBN's lists {names[0]} / {names[1]} were not found in {raw.root}; "
+                      f"using DomainNet's official train/test split ({where}) kept to FedBN's ten classes",
+                      stacklevel=3)
+        return split, f"DomainNet's official train/test split ({where}), ten classes (FedBN's lists not found)"
     keys = raw.domain_keys(domain, ds.classes)
     if not keys:
         raise DataError(f"No {ds.title} image of domain {domain!r} (<{domain}>/<class>/<image>) is in {raw.root}. "
@@ -542,7 +558,9 @@ def prepare_domainnet(data_dir: Path, *, raw_dir: Path | None = None, download: 
     (``clipart.zip`` ...; only the ten classes' images are read, inside the zip) or extracted
     folders, and FedBN's split lists (``domainnet_dataset.zip`` or its ``{domain}_train.pkl`` /
     ``_test.pkl``). Missing zips are downloaded (resumable) when allowed: the official zips are
-    large (about 0.4 to 6 GB each), so ``domains`` can restrict the work.
+    large (about 0.4 to 6 GB each), so ``domains`` can restrict the work. Without FedBN's lists,
+    DomainNet's official ``<domain>_train.txt`` / ``_test.txt`` in ``raw_dir`` give the split (kept to
+    the ten classes); without either, a seeded stratified 80/20 split (a warning says which).
     """
     ds = DOMAINNET
     size = check_size(size)
