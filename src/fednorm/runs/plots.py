@@ -15,6 +15,9 @@ import numpy as np  # noqa: E402
 from . import store  # noqa: E402
 
 
+MAX_LEGEND_CLIENTS = 20  # more clients than this: thin unlabelled lines and their mean
+
+
 def _series(records: list[dict], split: str, key: str) -> dict[str, tuple[list[int], list[float]]]:
     out: dict[str, tuple[list[int], list[float]]] = {}
     for r in sorted(records, key=lambda r: r["round"]):
@@ -44,8 +47,18 @@ def plot_cell(records: list[dict], cell: Path) -> None:
         if not series:
             continue
         fig, ax = plt.subplots(figsize=(6, 4))
+        many = len(series) > MAX_LEGEND_CLIENTS  # cross-device: hundreds of clients, no readable legend
         for client, (xs, ys) in series.items():
-            ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=client)
+            ax.plot(xs, ys, marker="." if len(xs) < 30 and not many else None, label=None if many else client,
+                    **({"lw": 0.5, "alpha": 0.3} if many else {}))
+        if many:
+            by_round: dict[int, list[float]] = defaultdict(list)
+            for xs, ys in series.values():
+                for x, y in zip(xs, ys):
+                    by_round[x].append(y)
+            rounds = sorted(by_round)
+            ax.plot(rounds, [np.mean(by_round[r]) for r in rounds], color="black", lw=1.5,
+                    label=f"mean over the clients ({len(series)}, each a thin line)")
         ax.set_xlabel("round")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
@@ -65,8 +78,11 @@ def _external_clients(cell: Path) -> set[str]:
 
 def comparison_curves(run_dir: Path, cells: list[tuple[str, int]]) -> tuple[dict[str, dict[str, dict[int, float]]], str]:
     """What comparison.png draws: per kind ("acc": mean test score over the internal clients, "loss": mean
-    training loss over the participants) and method label, round -> the mean over seeds; and the score's name."""
-    per_seed: dict[str, dict[str, dict[int, list[float]]]] = {"acc": defaultdict(dict), "loss": defaultdict(dict)}
+    training loss over the participants) and method label, round -> the mean over seeds; and the score's name.
+
+    A seed that stopped early (diverged) keeps its last test score in the later rounds of the others, as the
+    table keeps its last finite model: the last point is the table's Avg, not a mean over fewer seeds."""
+    per_seed: dict[str, dict[str, list[dict[int, float]]]] = {"acc": defaultdict(list), "loss": defaultdict(list)}
     score = "accuracy"
     for label, seed in cells:
         cell = store.cell_dir(run_dir, label, seed)
@@ -78,10 +94,21 @@ def comparison_curves(run_dir: Path, cells: list[tuple[str, int]]) -> tuple[dict
             for r in records:
                 if r["split"] == split and kind in r and r["client"] not in external:
                     by_round[r["round"]].append(r[kind])
-            for rnd, vals in by_round.items():
-                per_seed[kind][label].setdefault(rnd, []).append(float(np.mean(vals)))
-    curves = {kind: {label: {rnd: float(np.mean(v)) for rnd, v in sorted(by_round.items())}
-                     for label, by_round in methods.items()} for kind, methods in per_seed.items()}
+            if by_round:
+                per_seed[kind][label].append({rnd: float(np.mean(v)) for rnd, v in sorted(by_round.items())})
+    curves: dict[str, dict[str, dict[int, float]]] = {"acc": {}, "loss": {}}
+    for kind, methods in per_seed.items():
+        for label, seeds in methods.items():
+            rounds = sorted({rnd for series in seeds for rnd in series})
+            by_round = defaultdict(list)
+            for series in seeds:
+                last = max(series)
+                for rnd in rounds:
+                    if rnd in series:
+                        by_round[rnd].append(series[rnd])
+                    elif kind == "acc" and rnd > last:
+                        by_round[rnd].append(series[last])
+            curves[kind][label] = {rnd: float(np.mean(by_round[rnd])) for rnd in rounds if by_round[rnd]}
     return curves, score
 
 
@@ -94,7 +121,8 @@ def plot_comparison(run_dir: Path, cells: list[tuple[str, int]]) -> None:
     for ax, kind, ylabel in ((axes[0], "acc", f"mean test {score} over clients (%)"),
                              (axes[1], "loss", "mean training loss over clients")):
         for label, by_round in curves[kind].items():
-            ax.plot(list(by_round), [y * (100 if kind == "acc" else 1) for y in by_round.values()], label=label)
+            ax.plot(list(by_round), [y * (100 if kind == "acc" else 1) for y in by_round.values()],
+                    marker="." if len(by_round) < 30 else None, label=label)
         ax.set_xlabel("round")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
@@ -129,7 +157,8 @@ def plot_diagnostics(run_dir: Path, cells: list[tuple[str, int]]) -> bool:
     for ax, (key, title) in zip(axes[0], shown):
         for label, by_round in curves[key].items():
             rounds = sorted(by_round)
-            ax.plot(rounds, [np.mean(by_round[r]) for r in rounds], label=label)
+            ax.plot(rounds, [np.mean(by_round[r]) for r in rounds], marker="." if len(rounds) < 30 else None,
+                    label=label)
         ax.set_xlabel("round")
         ax.set_ylabel(title)
         ax.set_yscale("log")

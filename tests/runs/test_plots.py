@@ -1,0 +1,51 @@
+"""The run's plots: the comparison curve ends at the table's Avg, and short or crowded series stay readable."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pytest
+
+from fednorm.runs import plots, store
+
+
+def _cell(run_dir, label, seed, accs: dict[int, float], clients=("a", "b")):
+    """A cell's metrics.jsonl: every client scores ``accs[round]`` on test and trains with loss 1 / round."""
+    cell = store.cell_dir(run_dir, label, seed)
+    cell.mkdir(parents=True)
+    store.append_metrics(cell / store.METRICS_FILE, [
+        rec for rnd, acc in accs.items() for c in clients
+        for rec in ({"round": rnd, "client": c, "split": "test", "acc": acc},
+                    {"round": rnd, "client": c, "split": "train", "loss": 1 / rnd})])
+
+
+def test_a_seed_that_stopped_early_keeps_its_last_score_in_the_comparison(tmp_path):
+    # seed 0 diverged in round 3 (last finite evaluation: round 2), seed 1 ran its 4 rounds
+    _cell(tmp_path, "fedbn", 0, {1: 0.5, 2: 0.4})
+    _cell(tmp_path, "fedbn", 1, {1: 0.6, 2: 0.7, 3: 0.8, 4: 0.9})
+    curves, score = plots.comparison_curves(tmp_path, [("fedbn", 0), ("fedbn", 1)])
+    # the table's Avg of this row is mean(0.4, 0.9) = 0.65: the curve's last point is that, not 0.9 alone
+    assert curves["acc"]["fedbn"] == pytest.approx({1: 0.55, 2: 0.55, 3: 0.6, 4: 0.65})
+    assert curves["loss"]["fedbn"] == pytest.approx({1: 1.0, 2: 0.5, 3: 1 / 3, 4: 0.25})  # losses are not carried
+    assert score == "accuracy"
+
+
+def test_one_evaluation_is_drawn_as_a_point(tmp_path, monkeypatch):
+    _cell(tmp_path, "fedavg", 0, {5: 0.7})
+    drawn = []
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    plots.plot_comparison(tmp_path, [("fedavg", 0)])
+    (fig,) = drawn
+    assert all(line.get_marker() == "." for ax in fig.axes for line in ax.lines)
+
+
+def test_many_clients_are_thin_lines_under_their_mean(tmp_path, monkeypatch):
+    clients = [f"c{i}" for i in range(plots.MAX_LEGEND_CLIENTS + 1)]
+    _cell(tmp_path, "fedwon", 0, {1: 0.2, 2: 0.4}, clients=clients)
+    drawn = []
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    cell = store.cell_dir(tmp_path, "fedwon", 0)
+    plots.plot_cell(store.read_metrics(cell / store.METRICS_FILE), cell)
+    accuracy = drawn[0].axes[0]
+    labels = [t.get_text() for t in accuracy.get_legend().get_texts()]
+    assert labels == [f"mean over the clients ({len(clients)}, each a thin line)"]
+    assert len(accuracy.lines) == len(clients) + 1 and list(accuracy.lines[-1].get_ydata()) == [20.0, 40.0]
