@@ -131,6 +131,68 @@ def test_report_warns_when_the_seeds_of_a_row_ran_with_different_settings(tmp_pa
     assert "averages them" not in same.output
 
 
+def _summary(folder, method, seed, accs: dict[str, float], **test):
+    """A finished cell as `fednorm run` writes its summary.json (known scores)."""
+    cell = folder / method / f"seed{seed}"
+    cell.mkdir(parents=True)
+    clients = [{"name": name, "origin": "real", "test": {"final_acc": acc, **test}} for name, acc in accs.items()]
+    (cell / "summary.json").write_text(json.dumps({"method": method, "seed": seed, "rounds": 2, "clients": clients}))
+
+
+def test_report_names_a_duplicate_cell_it_drops_and_never_claims_to_average_it(tmp_path):
+    # the same method and seed, once with the preset's lr and once with a per-method lr, inside one parent folder
+    for name, methods in (("a", "[fedbn]"), ("b", "[{name: fedbn, lr: 0.05}]")):
+        result = runner.invoke(app, ["run", *SETS, "--set", f"methods={methods}", "--set", "federation.rounds=2",
+                                     "--out", str(tmp_path / "runs" / name), "--quiet"])
+        assert result.exit_code == 0, result.output
+    acc_a = json.loads((tmp_path / "runs" / "a" / "results.json").read_text())["methods"]["fedbn"]["Avg"]["mean"]
+    for args in ([str(tmp_path / "runs" / "a"), str(tmp_path / "runs" / "b")], [str(tmp_path / "runs")]):
+        merged = runner.invoke(app, ["report", *args, "--markdown"], terminal_width=400)
+        assert merged.exit_code == 0, merged.output
+        text = " ".join(merged.output.split())
+        assert "fedbn seed 0 is in" in text and "counted once" in text and "method.lr" in text
+        assert "averages them" not in text
+        assert table_row(merged.output, "fedbn")[1] == "1" and table_row(merged.output, "fedbn")[-1] == f"{acc_a:.2f}"
+    # the same folder twice is not a duplicate worth a word
+    again = runner.invoke(app, ["report", str(tmp_path / "runs" / "a"), str(tmp_path / "runs"), "--markdown"],
+                          terminal_width=400)
+    assert "counted once, from" in again.output and again.output.count("counted once") == 1
+
+
+def test_report_names_unfinished_cells_and_survives_a_damaged_config(tmp_path):
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["run", *SETS, "--set", "federation.rounds=1", "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    (out / "fedbn" / "seed0" / "summary.json").unlink()  # as if fedbn were still running
+    partial = runner.invoke(app, ["report", str(out), "--markdown"], terminal_width=400)
+    assert partial.exit_code == 0, partial.output
+    assert "1 of its 2 cells have not finished (fedbn seed 0)" in " ".join(partial.output.split())
+    (out / "config.yaml").write_text("")
+    damaged = runner.invoke(app, ["report", str(out), "--markdown"], terminal_width=400)
+    assert damaged.exit_code == 0, damaged.output
+    assert "config.yaml cannot be read" in " ".join(damaged.output.split()) and "| fedavg | 1 |" in damaged.output
+
+
+def test_report_selected_without_validation_data_is_an_error_not_a_table_of_dashes(tmp_path):
+    _summary(tmp_path / "run", "fedbn", 0, {"mnist": 0.9})
+    result = runner.invoke(app, ["report", str(tmp_path / "run"), "--selected"], terminal_width=400)
+    assert result.exit_code == 2 and "data.val_fraction" in " ".join(result.output.split())
+    _summary(tmp_path / "run", "fedbn", 1, {"mnist": 0.8}, selected_acc=0.7)
+    mixed = runner.invoke(app, ["report", str(tmp_path / "run"), "--selected", "--markdown"], terminal_width=400)
+    assert mixed.exit_code == 0 and "left out, no selected_acc: fedbn seed 0" in " ".join(mixed.output.split())
+    assert "| fedbn | 1 | 70.00 | 70.00 |" in mixed.output
+
+
+def test_wide_tables_are_never_wrapped_or_cut(tmp_path):
+    domains = {f"corrupt/gaussian_noise/{k}/rendered/domain-number-{k}": 0.5 + k / 100 for k in range(15)}
+    _summary(tmp_path / "run", "fedbn", 0, domains)
+    md = runner.invoke(app, ["report", str(tmp_path / "run"), "--markdown"])  # not a terminal: console width 200
+    lines = [line for line in md.output.splitlines() if line.startswith("|")]
+    assert len(lines) == 3 and all(line.endswith("|") for line in lines) and "64.00" in md.output
+    terminal = runner.invoke(app, ["report", str(tmp_path / "run")], terminal_width=120)
+    assert terminal.exit_code == 0 and "64.00" in terminal.output and "…" not in terminal.output
+
+
 def test_run_names_its_folder_first_and_a_data_protocol_error_is_a_message(tmp_path):
     out = tmp_path / "r"
     result = runner.invoke(app, ["run", *SETS, "--set", "data.partition=even", "--set", "data.clients_per_domain=1000",

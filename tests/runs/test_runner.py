@@ -293,6 +293,25 @@ def test_validation_split_and_model_selection_by_validation_accuracy(tmp_path):
         assert c["val"]["n"] > 0
 
 
+def test_best_is_one_round_for_every_client_not_each_clients_own_best():
+    """report --best: the scores of the round with the best mean internal test score (one model), not the
+    per-client maxima (client a peaks in round 1, client b in round 2; the mean peaks in round 2)."""
+    from types import SimpleNamespace
+
+    from fednorm.runs.runner import summarize_cell
+
+    def rec(rnd, client, acc, split="test"):
+        return {"round": rnd, "client": client, "split": split, "acc": acc, "loss": 0.0, "n": 10}
+
+    records = [rec(1, "a", 0.9), rec(1, "b", 0.5), rec(2, "a", 0.8), rec(2, "b", 0.7),
+               rec(1, "x", 1.0), rec(2, "x", 0.0)]  # x is external: its peak must not choose the round
+    clients = [SimpleNamespace(name=n, domain=n, origin="real", num_train=10, meta={"external": n == "x"})
+               for n in "abx"]
+    test = {c["name"]: c["test"] for c in summarize_cell(records, clients, "fedbn", 0, 2)["clients"]}
+    assert (test["a"]["best_acc"], test["b"]["best_acc"]) == (0.9, 0.7)  # per client, from different rounds
+    assert [(test[n]["best_mean_acc"], test[n]["best_mean_round"]) for n in "abx"] == [(0.8, 2), (0.7, 2), (0.0, 2)]
+
+
 def test_corrupted_copies_of_one_domain_hold_out_the_same_images_for_validation(tmp_path, monkeypatch):
     # corrupt/contrast/... and corrupt/brightness/... of one base train on the same base images; a client
     # validating on images another client trains on (other corruption, same digit) inflates validation

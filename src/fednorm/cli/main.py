@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -18,9 +19,8 @@ from ..methods.aggregation import UpdateError
 from ..methods.presets import PRESETS
 from ..runs.config import ConfigError, load_config, preset_names
 from ..runs.store import CorruptFileError
-from ..runs.report import (ResultsTable, build_table, config_differences, read_summaries, row_differences,
-                           split_label)
-from ..runs.runner import (RunError, find_run_config, load_run_config, resolved_hardware, resume_run, start_run,
+from ..runs.report import ResultsTable, build_table, collect_runs, read_summaries
+from ..runs.runner import (RunError, load_run_config, resolved_hardware, resume_run, start_run,
                            with_device)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -57,6 +57,10 @@ def _print_table(table: ResultsTable, title: str) -> None:
         t.add_column(head, justify="left" if i == 0 else "right", no_wrap=True)
     for row in rows[1:]:
         t.add_row(*row, style="dim" if row[0].strip() == "paper" else None)
+    if Measurement.get(console, console.options.update_width(10**6), t).maximum > console.width:
+        # wider than the terminal: rich would shrink the columns and cut the numbers; markdown lines wrap whole
+        console.print(f"{title}\n\n{table.markdown()}", highlight=False, markup=False, soft_wrap=True)
+        return
     console.print(t)
     if table.footnote():
         console.print(table.footnote(), style="italic")
@@ -156,7 +160,8 @@ def resume(
 @app.command()
 def report(
     run_dirs: list[Path] = typer.Argument(..., help="run folders (or cell folders) to combine"),
-    best: bool = typer.Option(False, "--best", help="best test accuracy over rounds instead of the final one"),
+    best: bool = typer.Option(False, "--best", help="test scores at the round with the best mean test score "
+                              "(one model for every client; an oracle choice of round) instead of the final ones"),
     selected: bool = typer.Option(False, "--selected", help="test accuracy at the round of the best mean "
                                   "validation accuracy (model selection, UniFed; needs validation data)"),
     markdown: bool = typer.Option(False, "--markdown", help="print a markdown table"),
@@ -167,73 +172,33 @@ def report(
                                            "in it (otherwise a (method, seed) found twice counts once)"),
 ) -> None:
     """Mean (std) over seeds per client and on average, in the papers' table layout. Folders without a
-    finished cell (a run still going, e.g. matched by a glob) are skipped with a warning."""
-    summaries, paper, sources, unfinished = [], {}, [], []
-    seen: dict[tuple[str, int], tuple[Path, object]] = {}  # (row, seed) -> the folder and config it came from
-    rows: dict[str, tuple[Path, object, int, int]] = {}  # row -> its first folder, config, seed and rounds
-    warned: set[tuple[str, Path]] = set()
-    for d in run_dirs:
-        if not d.exists():
-            _fail(RunError(f"{d} does not exist"))
-        found = read_summaries(d)
-        if not found:
-            unfinished.append(d)
-            continue
-        try:
-            run_config = find_run_config(d)
-        except (RunError, ConfigError) as exc:
-            if split_by:
-                _fail(exc)
-            run_config = None
-        if split_by:
-            if run_config is None:
-                _fail(RunError(f"{d}: --split-by reads each run's config.yaml, and this folder has none above it; "
-                               f"give the run folder that `fednorm run --out` made"))
-            try:
-                found = [dict(s, method=split_label(s["method"], split_by, run_config)) for s in found]
-            except KeyError as exc:
-                _fail(ConfigError(exc.args[0]))
-        for s in found:
-            first = seen.setdefault((s["method"], s["seed"]), (d, run_config))
-            differ = config_differences(first[1], run_config) if first[0] != d and first[1] and run_config else []
-            if differ:
-                err_console.print(f"[yellow]{s['method']} seed {s['seed']} is in {first[0]} and in {d}, whose configs "
-                                  f"differ in {', '.join(differ)}: counted once, from {first[0]}; "
-                                  f"`--split-by {differ[0]}` gives each its own row[/yellow]", soft_wrap=True)
-                continue
-            # seeds of one row from runs that differ (another lr, fewer rounds): averaged together, so say so
-            row_dir, row_config, row_seed, row_rounds = rows.setdefault(
-                s["method"], (d, run_config, s["seed"], s.get("rounds")))
-            if (s["method"], d) in warned or (row_dir == d and s.get("rounds") == row_rounds):
-                continue
-            differ = (row_differences(row_config, run_config, s["method"].split(" [")[0])
-                      if row_dir != d and row_config and run_config else [])
-            if s.get("rounds") != row_rounds:
-                differ = [f"rounds ({row_rounds} and {s.get('rounds')})"] + [k for k in differ if k != "federation.rounds"]
-            if differ:
-                warned.add((s["method"], d))
-                err_console.print(f"[yellow]{s['method']}: seed {s['seed']} ({d}) and seed {row_seed} ({row_dir}) ran "
-                                  f"with different {', '.join(differ)}; the row averages them[/yellow]", soft_wrap=True)
-        summaries += found
-        if run_config is not None:
-            numbers, source = run_config.paper_for_setting()
-            numbers = numbers or {}
-            if split_by:  # the paper's row of a method goes under each of its split rows
-                numbers = {split_label(m, split_by, run_config): v for m, v in numbers.items()}
-            paper.update(numbers)
-            if numbers and source and source not in sources:
-                sources.append(source)
-    if not summaries:
-        _fail(RunError(f"{', '.join(map(str, unfinished))}: no finished cell (no summary.json); "
+    finished cell (a run still going, e.g. matched by a glob) are skipped with a warning; duplicates, rows that
+    mix settings and unfinished cells are named (see fednorm.runs.report.collect_runs)."""
+    try:
+        found = collect_runs(run_dirs, split_by)
+    except (RunError, ConfigError, CorruptFileError) as exc:
+        _fail(exc)
+    if not found.summaries:
+        _fail(RunError(f"{', '.join(map(str, found.unfinished))}: no finished cell (no summary.json); "
                        f"finish a run with `fednorm resume DIR`"))
-    for d in unfinished:
-        err_console.print(f"[yellow]skipped {d}: no finished cell yet (`fednorm resume {d}` finishes it)[/yellow]")
-    metric = "selected_acc" if selected else "best_acc" if best else "final_acc"
-    table = build_table(summaries, paper=paper or None, metric=metric, paper_source="; ".join(sources) or None,
-                        ddof=int(sample_std))
-    which = "validation-selected" if selected else "best" if best else "final"
+    for d in found.unfinished:
+        found.notes.append(f"skipped {d}: no finished cell yet (`fednorm resume {d}` finishes it)")
+    metric = "selected_acc" if selected else "best_mean_acc" if best else "final_acc"
+    table = build_table(found.summaries, paper=found.paper or None, metric=metric,
+                        paper_source="; ".join(found.paper_sources) or None, ddof=int(sample_std))
+    if table.lacking:
+        cells = ", ".join(f"{m} seed {seed}" for m, seed in table.lacking[:6]) + (", ..." if len(table.lacking) > 6
+                                                                                   else "")
+        need = ("validation data (set data.val_fraction, or a dataset with a validation split)" if selected else
+                "a summary written by this version (`fednorm resume RUN` rewrites it)")
+        if not table.rows:
+            _fail(RunError(f"no cell has {metric} ({cells}): --{'selected' if selected else 'best'} needs {need}"))
+        found.notes.append(f"left out, no {metric}: {cells} (--{'selected' if selected else 'best'} needs {need})")
+    for note in found.notes:
+        err_console.print(f"[yellow]{note}[/yellow]", soft_wrap=True, highlight=False)
+    which = "validation-selected" if selected else "best round" if best else "final"
     if markdown:
-        console.print(table.markdown(), highlight=False, markup=False)
+        console.print(table.markdown(), highlight=False, markup=False, soft_wrap=True)
     else:
         _print_table(table, f"test {table.score_label} (%), {which}, mean ({'sample' if sample_std else 'population'} std) over seeds")
 
@@ -441,8 +406,9 @@ def _flower_finish(run_dir: Path, cfg) -> None:
     summaries = read_summaries(run_dir)
     if summaries:
         paper, paper_source = cfg.paper_for_setting()
-        _print_table(build_table(summaries, paper=paper, paper_source=paper_source),
-                     f"{cfg.name} on Flower: test accuracy (%) after round {cfg.federation.rounds}, mean (population std) over seeds")
+        table = build_table(summaries, paper=paper, paper_source=paper_source)
+        _print_table(table, f"{cfg.name} on Flower: test {table.score_label} (%) after round {cfg.federation.rounds}, "
+                            "mean (population std) over seeds")
     console.print(f"run folder: {run_dir}  (results.md, <method>/seed<k>/metrics.jsonl, participation.jsonl)",
                   highlight=False)
 

@@ -34,6 +34,7 @@ class ResultsTable:
     score: str = "accuracy"  # what the numbers are: the cells' task metric (accuracy, dice; "score" if mixed)
     diverged: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # method -> (seed, round) that diverged
     ddof: int = 0  # std over seeds: 0 population (numpy's default), 1 sample
+    lacking: list[tuple[str, int]] = field(default_factory=list)  # (method, seed) cells without ``metric``: left out
 
     @property
     def score_label(self) -> str:
@@ -121,7 +122,10 @@ def build_table(summaries: list[dict], paper: dict | None = None, metric: str = 
     for s in summaries:
         method = s["method"]
         if s["seed"] in table.seeds.get(method, []):
-            continue  # the same (method, seed) from two folders counts once
+            continue  # the same (method, seed) from two folders counts once (collect_runs says which)
+        if not any(metric in c.get("test", {}) for c in s["clients"]):
+            table.lacking.append((method, s["seed"]))  # e.g. selected_acc of a cell without validation data
+            continue
         table.seeds.setdefault(method, []).append(s["seed"])
         if "diverged" in s:
             table.diverged.setdefault(method, []).append((s["seed"], s["diverged"]["round"]))
@@ -134,7 +138,7 @@ def build_table(summaries: list[dict], paper: dict | None = None, metric: str = 
                 columns.append(c["name"])
                 origins[c["name"]] = c.get("origin", "real")
             acc = c["test"].get(metric)
-            if acc is None:  # e.g. selected_acc of a cell without validation data
+            if acc is None:  # a client the chosen round did not evaluate
                 continue
             row.setdefault(c["name"], []).append(acc)
             if not c.get("external"):  # Avg is over the internal clients; external ones are their own columns
@@ -205,10 +209,151 @@ def split_label(method: str, key: str, config) -> str:
     return f"{method} [{key.rsplit('.', 1)[-1]}={shown}]"
 
 
+def read_cells(run_dir: Path) -> list[tuple[Path, dict]]:
+    """(cell folder, summary) of every finished cell under ``run_dir`` (a run folder, a cell folder, or a folder
+    of runs)."""
+    cells = []
+    for path in sorted(Path(run_dir).glob(f"**/{store.SUMMARY_FILE}")):
+        try:
+            cells.append((path.parent, json.loads(path.read_text())))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise store.CorruptFileError(f"cannot read {path} ({exc}); re-create it with `fednorm resume "
+                                         f"{path.parent.parent.parent}` or delete the cell folder") from exc
+    return cells
+
+
 def read_summaries(run_dir: Path) -> list[dict]:
     """Every finished cell summary under ``run_dir`` (a run folder or a single cell folder)."""
-    paths = sorted(Path(run_dir).glob(f"**/{store.SUMMARY_FILE}"))
-    return [json.loads(p.read_text()) for p in paths]
+    return [summary for _, summary in read_cells(run_dir)]
+
+
+@dataclass
+class Collected:
+    """The finished cells of several folders, each (method, seed) once, and what a reader must know about them."""
+
+    summaries: list[dict] = field(default_factory=list)
+    paper: dict[str, dict[str, float]] = field(default_factory=dict)
+    paper_sources: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # duplicates dropped, rows mixing settings, unfinished cells
+    unfinished: list[Path] = field(default_factory=list)  # folders without a finished cell
+
+
+def _scores(summary: dict) -> list:
+    return [(c["name"], c.get("test")) for c in summary["clients"]]
+
+
+def collect_runs(run_dirs: list[Path], split_by: str | None = None) -> Collected:
+    """Gather the finished cells of ``run_dirs`` for one table (``fednorm report``). Each cell is checked against
+    the config of the run it belongs to (found above it, so a folder holding several runs works):
+
+    * a (row, seed) found twice counts once, from the first folder, and a note says so: with the settings that
+      differ (``--split-by KEY`` gives each its own row) or, when none do, whether the numbers differ;
+    * seeds of one row from runs with other settings or rounds are averaged together, and a note names them;
+    * cells a run's config lists but that have not finished, or finished fewer rounds than it asks, are named;
+    * the paper rows come from each run's config; sources that disagree on a method keep the first, noted.
+
+    Raises :class:`~fednorm.runs.runner.RunError` for a folder that does not exist, and for ``split_by`` with a
+    cell outside any run folder; :class:`~fednorm.runs.config.ConfigError` for an unknown ``split_by`` key."""
+    from .config import ConfigError
+    from .runner import RunError, find_run_folder, load_run_config
+
+    out = Collected()
+    configs: dict[Path, object] = {}  # run folder -> its config (None: unreadable, noted once)
+
+    def run_of(cell: Path) -> tuple[Path | None, object]:
+        folder = find_run_folder(cell)
+        if folder is not None and folder not in configs:
+            try:
+                configs[folder] = load_run_config(folder)
+            except (RunError, ConfigError, store.CorruptFileError) as exc:
+                configs[folder] = None
+                out.notes.append(f"{folder / store.CONFIG_FILE} cannot be read ({exc}): its cells are reported "
+                                 "without the settings checks and paper rows")
+        return folder, configs.get(folder)
+
+    seen: dict[tuple[str, int], tuple[Path, object, dict]] = {}  # (row, seed) -> first cell, its config, summary
+    rows: dict[str, tuple[Path | None, object, int, int | None]] = {}  # row -> first run, config, seed, rounds
+    warned: set[tuple[str, Path | None]] = set()
+    finished: dict[Path, dict[tuple[str, int], int | None]] = {}  # run -> (label, seed) -> rounds finished
+    for d in map(Path, run_dirs):
+        if not d.exists():
+            raise RunError(f"{d} does not exist")
+        cells = read_cells(d)
+        if not cells:
+            out.unfinished.append(d)
+            continue
+        for cell, s in cells:
+            run_dir, config = run_of(cell)
+            if run_dir is not None:
+                finished.setdefault(run_dir, {})[(s["method"], s["seed"])] = s.get("rounds")
+            label = s["method"]
+            if split_by:
+                if config is None:
+                    raise RunError(f"{cell}: --split-by reads each run's config.yaml, and this cell has none above "
+                                   "it; give the run folder that `fednorm run --out` made")
+                try:
+                    s = dict(s, method=split_label(label, split_by, config))
+                except KeyError as exc:
+                    raise ConfigError(exc.args[0]) from exc
+            key = (s["method"], s["seed"])
+            if key in seen:
+                first_cell, first_config, first = seen[key]
+                if first_cell.resolve() == cell.resolve():
+                    continue  # the same folder given twice (a run and its parent)
+                differ = row_differences(first_config, config, label) if first_config and config else []
+                if first.get("rounds") != s.get("rounds"):
+                    differ = [f"rounds ({first.get('rounds')} and {s.get('rounds')})"] + \
+                             [k for k in differ if k != "federation.rounds"]
+                why = (f"their settings differ in {', '.join(differ)}: `--split-by {differ[0].split(' ')[0]}` gives "
+                       "each its own row" if differ else
+                       "same settings, same numbers" if _scores(first) == _scores(s) else
+                       "same settings but other numbers (another engine, machine or code version): report them "
+                       "one at a time to compare")
+                out.notes.append(f"{s['method']} seed {s['seed']} is in {first_cell} and in {cell}: counted once, "
+                                 f"from {first_cell} ({why})")
+                continue
+            seen[key] = (cell, config, s)
+            out.summaries.append(s)
+            # seeds of one row from runs that differ (another lr, fewer rounds): averaged together, so say so
+            row_run, row_config, row_seed, row_rounds = rows.setdefault(
+                s["method"], (run_dir, config, s["seed"], s.get("rounds")))
+            if (s["method"], run_dir) in warned or (row_run == run_dir and s.get("rounds") == row_rounds):
+                continue
+            differ = (row_differences(row_config, config, label)
+                      if row_run != run_dir and row_config and config else [])
+            if s.get("rounds") != row_rounds:
+                differ = [f"rounds ({row_rounds} and {s.get('rounds')})"] + [k for k in differ if k != "federation.rounds"]
+            if differ:
+                warned.add((s["method"], run_dir))
+                out.notes.append(f"{s['method']}: seed {s['seed']} ({run_dir or cell}) and seed {row_seed} "
+                                 f"({row_run}) ran with different {', '.join(differ)}; the row averages them")
+    for run_dir, done in finished.items():
+        config = configs.get(run_dir)
+        if config is None:
+            continue
+        numbers, source = config.paper_for_setting()
+        for method, values in (numbers or {}).items():
+            rows_of = [split_label(method, split_by, config)] if split_by else [method]
+            for row in rows_of:
+                if row in out.paper and out.paper[row] != dict(values):
+                    out.notes.append(f"the paper rows of {row} differ between the runs' configs ({run_dir}: "
+                                     f"{source}); the table shows the first")
+                    continue
+                out.paper.setdefault(row, dict(values))
+        if numbers and source and source not in out.paper_sources:
+            out.paper_sources.append(source)
+        expected = [(m.display, seed) for m in config.methods for seed in config.seeds]
+        missing = [f"{label} seed {seed}" for label, seed in expected if (label, seed) not in done]
+        short = [f"{label} seed {seed} ({r} rounds)" for (label, seed), r in done.items()
+                 if r is not None and r < config.federation.rounds]
+        if missing:
+            out.notes.append(f"{run_dir}: {len(missing)} of its {len(expected)} cells have not finished "
+                             f"({', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}); "
+                             f"`fednorm resume {run_dir}` finishes them")
+        if short:
+            out.notes.append(f"{run_dir}: its config asks for {config.federation.rounds} rounds; "
+                             f"{', '.join(short[:6])} finished fewer (an extension still going?)")
+    return out
 
 
 def write_run_report(run_dir: Path, config, results) -> ResultsTable:

@@ -326,6 +326,23 @@ def external_entries(external: list[ClientData], modes) -> list[ClientData]:
             for c in external for mode in modes]
 
 
+def _test_at_best_mean_round(per_client: list[dict], records: list[dict], split: str, prefix: str,
+                             among: set[str] | None = None) -> None:
+    """Record in each client's test entry ``<prefix>_acc`` and ``<prefix>_round``: its test score at the round
+    whose mean ``split`` score over the clients (``among``, else all that have one) is best (earliest on ties)."""
+    by_round: dict[int, list[float]] = {}
+    for r in records:
+        if r["split"] == split and (among is None or r["client"] in among):
+            by_round.setdefault(r["round"], []).append(r["acc"])
+    if not by_round:
+        return
+    chosen = max(by_round, key=lambda rnd: (sum(by_round[rnd]) / len(by_round[rnd]), -rnd))
+    for e in per_client:
+        at = [r for r in records if r["client"] == e["name"] and r["split"] == "test" and r["round"] == chosen]
+        if at and "test" in e:
+            e["test"][f"{prefix}_acc"], e["test"][f"{prefix}_round"] = at[0]["acc"], chosen
+
+
 def summarize_cell(records: list[dict], clients: list[ClientData], label: str, seed: int, rounds: int) -> dict:
     """Final and best test (and validation) accuracy of every client of one cell."""
     per_client = []
@@ -345,16 +362,11 @@ def summarize_cell(records: list[dict], clients: list[ClientData], label: str, s
         per_client.append(entry)
     # model selection (UniFed: "the model is selected based on the highest validation accuracy"): the round
     # with the best mean validation accuracy over the clients that have one; every client's test score there
-    val_by_round: dict[int, list[float]] = {}
-    for r in records:
-        if r["split"] == "val":
-            val_by_round.setdefault(r["round"], []).append(r["acc"])
-    if val_by_round:
-        chosen = max(val_by_round, key=lambda rnd: (sum(val_by_round[rnd]) / len(val_by_round[rnd]), -rnd))
-        for e in per_client:
-            at = [r for r in records if r["client"] == e["name"] and r["split"] == "test" and r["round"] == chosen]
-            if at and "test" in e:
-                e["test"]["selected_acc"], e["test"]["selected_round"] = at[0]["acc"], chosen
+    _test_at_best_mean_round(per_client, records, "val", "selected")
+    # report --best: the round with the best mean test score over the internal clients, one model for every
+    # client (the per-client best_acc above may come from different rounds: no model scores them all)
+    _test_at_best_mean_round(per_client, records, "test", "best_mean",
+                             among={e["name"] for e in per_client if not e.get("external")})
     finals = [e["test"]["final_acc"] for e in per_client if "test" in e and not e.get("external")]
     metric = next((r["metric"] for r in records if "metric" in r), "accuracy")
     return {
@@ -488,11 +500,12 @@ def load_run_config(run_dir: Path) -> ExperimentConfig:
     return validate(saved, source=str(path))
 
 
-def find_run_config(path: Path) -> ExperimentConfig | None:
-    """The config of the run that ``path`` (a run folder or a cell folder inside one) belongs to, or None."""
+def find_run_folder(path: Path) -> Path | None:
+    """The run folder (the one holding config.yaml) that ``path``, a run folder or a cell folder inside one,
+    belongs to, or None."""
     for folder in [Path(path), *Path(path).parents][:4]:  # run / method / seed: a cell is two levels down
         if (folder / store.CONFIG_FILE).exists():
-            return load_run_config(folder)
+            return folder
     return None
 
 
