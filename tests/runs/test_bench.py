@@ -53,6 +53,26 @@ def test_phases_add_up_to_the_round_and_the_reference_sees_the_same_batches():
     assert speed["flops"]["train_per_sample"] > speed["flops"]["forward_per_sample"] > 0
 
 
+def test_segmentation_bench_trains_the_reference_with_the_task_loss():
+    """The reference loop and the FLOP count take the run's task (masks, CE + Dice), not class labels."""
+    from fednorm.data.domain import ClientData
+    from fednorm.runs.config import load_config
+    from fednorm.runs.runner import needs_data_folder
+
+    from ..engines.test_segmentation_engine import synthetic_segmentation
+
+    cfg = load_config("harmofl_prostate", ["model.width=0.125", "seeds=[0]", "methods=[fedavg]",
+                                           "training.batch_size=4"])
+    clients = [ClientData(d, d, synthetic_segmentation(8, i), synthetic_segmentation(4, 10 + i))
+               for i, d in enumerate(cfg.data.domains)]
+    method_cfg, seed = bench.select_cell(cfg, "fedavg")
+    speed = bench.bench_speed(cfg, method_cfg, seed, clients, rounds=1, warmup=1)
+    assert speed["per_round"][0]["reference_samples"] == speed["per_round"][0]["samples"] == 8 * len(clients)
+    assert speed["flops"]["train_per_sample"] > speed["flops"]["forward_per_sample"] > 0
+    # a run whose only files are its external clients' still needs the data folder
+    assert needs_data_folder(tiny_config("external.domains=[usps]")) and not needs_data_folder(tiny_config())
+
+
 def test_phase_clock_restores_the_wrapped_methods():
     class Thing:
         def work(self, x):

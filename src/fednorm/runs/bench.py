@@ -45,13 +45,12 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 import yaml
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..data.domain import ClientData, Split
-from ..data.federation import is_rendered
+from ..methods.tasks import CLASSIFICATION, Task
 from ..methods.local_update import LocalTraining, batch_schedule, build_optimizer, has_batchnorm, native_bf16
 from . import store
 from .config import ExperimentConfig, MethodConfig, load_config, validate
@@ -179,7 +178,8 @@ def tensor_bytes(tree) -> int:
 
 
 # ------------------------------------------------------------------------------------------ FLOPs and peak
-def training_flops(model: nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str = "fp32") -> tuple[int, int]:
+def training_flops(model: nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str = "fp32",
+                   task: Task = CLASSIFICATION) -> tuple[int, int]:
     """(forward, forward + backward) FLOPs of one training step of ``model`` on the batch ``(x, y)``.
 
     Counts what autograd actually runs: matmuls and convolutions (norms, activations and the optimizer
@@ -191,7 +191,7 @@ def training_flops(model: nn.Module, x: torch.Tensor, y: torch.Tensor, precision
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             logits = model(x)
         forward = counter.get_total_flops()
-        F.cross_entropy(logits.float(), y).backward()
+        task.loss(logits, task.target(y)).backward()
         total = counter.get_total_flops()
     return int(forward), int(total)
 
@@ -251,10 +251,6 @@ def select_cell(config: ExperimentConfig, method: str | None = None, seed: int |
                                  f"({', '.join(m.display for m in config.methods)}) nor a preset; "
                                  "see `fednorm methods`") from None
     return method_cfg, config.seeds[0] if seed is None else seed
-
-
-def needs_data_folder(config: ExperimentConfig) -> bool:
-    return any(not is_rendered(d) for d in config.data.domains)
 
 
 def memory_config(config: ExperimentConfig, method_cfg: MethodConfig, seed: int, num_clients: int,
@@ -336,19 +332,21 @@ class PhaseClock:
 
 # ------------------------------------------------------------------------------------------ reference
 def plain_training(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[Split, torch.Tensor]],
-                   prepare: Callable[[torch.Tensor], torch.Tensor], precision: str) -> tuple[int, float]:
-    """The reference: a plain PyTorch training loop over ``batches`` (split, index); (samples, seconds)."""
+                   prepare: Callable[[torch.Tensor], torch.Tensor], precision: str,
+                   task: Task = CLASSIFICATION) -> tuple[int, float]:
+    """The reference: a plain PyTorch training loop over ``batches`` (split, index) with the task's loss;
+    (samples, seconds)."""
     model.train()
     use_bf16 = precision == "bf16"
     seen, loss_sum = 0, 0.0
     start = time.perf_counter()
     for data, index in batches:
         x = prepare(data.x[index])
-        y = data.y[index]
+        y = task.target(data.y[index])
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
             logits = model(x)
-        loss = F.cross_entropy(logits.float(), y)
+        loss = task.loss(logits, y)
         loss.backward()
         optimizer.step()
         loss_sum += loss.item() * len(index)
@@ -405,7 +403,7 @@ def bench_speed(config: ExperimentConfig, method_cfg: MethodConfig, seed: int, c
         batches = client_batches(client, instructions.seed, instructions.freeze_bn_stats, result.num_examples,
                                  result.num_steps)
         samples, seconds = plain_training(reference_model, reference_opt, batches, engine.prepare,
-                                          training.precision)
+                                          training.precision, training.task)
         ref["s"] += seconds
         ref["samples"] += samples
         ref["excluded"] += time.perf_counter() - start
@@ -466,7 +464,7 @@ def bench_speed(config: ExperimentConfig, method_cfg: MethodConfig, seed: int, c
     first = engine.clients[0]
     index = torch.arange(min(training.batch_size, first.num_train))
     forward, total = training_flops(copy.deepcopy(engine.model), engine.prepare(first.train.x[index]),
-                                    first.train.y[index], training.precision)
+                                    first.train.y[index], training.precision, training.task)
     n = len(index)
     return {
         "warmup_rounds": warmup,
@@ -505,7 +503,7 @@ def bench_speed(config: ExperimentConfig, method_cfg: MethodConfig, seed: int, c
 def memory_child(config_path: Path, rounds: int, work_dir: Path | None = None) -> dict:
     """One memory-mode run in this (fresh) process: build the federation, train ``rounds`` rounds, evaluate
     and checkpoint once; RSS at each stage and the process peak."""
-    from .runner import build_engine, build_federation_data
+    from .runner import build_engine, build_federation_data, needs_data_folder
 
     after_import = rss_mib()
     config = load_config(config_path)
@@ -634,6 +632,8 @@ def run_bench(config: ExperimentConfig, *, source: str | None = None, overrides:
         },
     }
     if mode in ("speed", "all"):
+        from .runner import needs_data_folder
+
         resolved = None
         if needs_data_folder(config):
             from ..data.datafolder import resolve_data_dir

@@ -57,7 +57,8 @@ class CellResult:
     summary: dict
 
 
-def _needs_data_folder(config: ExperimentConfig) -> bool:
+def needs_data_folder(config: ExperimentConfig) -> bool:
+    """Whether a run reads files (any domain, internal or external, that is not rendered in memory)."""
     return any(not is_rendered(d) for d in list(config.data.domains) + list(config.external.domains))
 
 
@@ -421,7 +422,7 @@ def start_run(
         )
     resolved = None
     if clients is None:
-        if _needs_data_folder(config):
+        if needs_data_folder(config):
             resolved = resolve_data_dir(data_dir or config.data.data_dir)
         clients = build_federation_data(config, resolved)  # before writing anything: bad data leaves no folder
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -512,7 +513,7 @@ def find_run_folder(path: Path) -> Path | None:
 def run_data_dir(run_dir: Path, config: ExperimentConfig, data_dir: str | None = None) -> Path | None:
     """The data folder of an existing run: ``data_dir``, else the config's, else the one the run recorded
     (None when the run needs no data folder)."""
-    if not _needs_data_folder(config):
+    if not needs_data_folder(config):
         return None
     info_path = Path(run_dir) / RUN_INFO_FILE
     recorded = json.loads(info_path.read_text()).get("data_dir") if info_path.exists() else None
