@@ -1,4 +1,5 @@
 import json
+import os
 import warnings
 
 import pytest
@@ -116,6 +117,29 @@ def test_resume_drops_metrics_written_after_the_last_checkpoint(tmp_path):
         fh.write('{"round": 4, "client": "x", "spl')  # a line cut by a kill
     resume_run(tmp_path / "stopped")
     assert (cell / "metrics.jsonl").read_text() == (tmp_path / "straight" / "fedbn" / "seed0" / "metrics.jsonl").read_text()
+
+
+def test_a_folder_being_run_refuses_a_second_resume_and_frees_when_done(tmp_path):
+    """Two processes resuming one folder would interleave checkpoints and metrics: the second is refused, naming
+    the holder, and nothing of the folder changes; the lock goes with the first."""
+    from fednorm.runs.runner import run_lock
+
+    cfg = tiny_config("methods=[fedbn]")
+    with pytest.raises(Stop):
+        start_run(cfg, tmp_path / "run", progress=stop_after(2))
+    cell = tmp_path / "run" / "fedbn" / "seed0"
+    before = (cell / "metrics.jsonl").read_text()
+    with run_lock(tmp_path / "run"):
+        with pytest.raises(RunError, match=f"is being run by process {os.getpid()}"):
+            resume_run(tmp_path / "run")
+    assert (cell / "metrics.jsonl").read_text() == before
+    (tmp_path / "new").mkdir()
+    with run_lock(tmp_path / "new"):  # another process is starting a run in this folder
+        with pytest.raises(RunError, match="is being run by"):
+            start_run(cfg, tmp_path / "new")
+    assert not (tmp_path / "new" / "config.yaml").exists()
+    assert resume_run(tmp_path / "run")[0].summary["rounds"] == cfg.federation.rounds
+    assert not list((tmp_path / "run").rglob("*.tmp"))  # atomic writes leave no temporary files
 
 
 def test_same_seed_same_numbers_and_seeds_differ(tmp_path):

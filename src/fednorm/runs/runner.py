@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -409,6 +412,37 @@ def _write_run_info(run_dir: Path, data_dir: Path | None, config: ExperimentConf
     })
 
 
+LOCK_FILE = ".lock"
+
+
+@contextmanager
+def run_lock(run_dir: Path):
+    """Hold ``run_dir``'s lock while a process writes its cells: a second ``run``/``resume`` of the same folder
+    (another terminal, a retried job) is refused instead of interleaving checkpoints and metrics. An OS lock
+    (``flock``): it ends with the process, so a killed run leaves no stale lock."""
+    import fcntl
+
+    path = Path(run_dir) / LOCK_FILE
+    fh = open(path, "a+")
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.seek(0)
+        holder = fh.read().strip() or "another process"
+        fh.close()
+        raise RunError(f"{run_dir} is being run by {holder}; wait for it to end (or stop it) before resuming "
+                       "this folder") from None
+    try:
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"process {os.getpid()} on {socket.gethostname()}")
+        fh.flush()
+        yield
+    finally:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+        fh.close()
+
+
 def start_run(
     config: ExperimentConfig, run_dir: Path, data_dir: str | None = None, progress: ProgressFn | None = None,
     clients: list[ClientData] | None = None, build: EngineBuilder | None = None,
@@ -426,9 +460,12 @@ def start_run(
             resolved = resolve_data_dir(data_dir or config.data.data_dir)
         clients = build_federation_data(config, resolved)  # before writing anything: bad data leaves no folder
     run_dir.mkdir(parents=True, exist_ok=True)
-    _write_config(run_dir, config)
-    _write_run_info(run_dir, resolved, config)
-    return execute(run_dir, config, resolved, progress, clients=clients, build=build)
+    with run_lock(run_dir):
+        if (run_dir / store.CONFIG_FILE).exists():  # started by another process since the check above
+            raise RunError(f"{run_dir} already holds a run; continue it with `fednorm resume {run_dir}`")
+        _write_config(run_dir, config)
+        _write_run_info(run_dir, resolved, config)
+        return execute(run_dir, config, resolved, progress, clients=clients, build=build)
 
 
 def _digest(*tensors: torch.Tensor) -> str:
@@ -529,6 +566,13 @@ def resume_run(run_dir: Path, data_dir: str | None = None, progress: ProgressFn 
     ``on_divergence`` changes what a divergence does from here on (``record``: a run stopped by a diverged cell
     records it and goes on); it changes no finished cell, and is written to config.yaml."""
     run_dir = Path(run_dir)
+    load_run_config(run_dir)  # a folder without a run says so before anything is written into it
+    with run_lock(run_dir):
+        return _resume_locked(run_dir, data_dir, progress, device, rounds, on_divergence)
+
+
+def _resume_locked(run_dir: Path, data_dir: str | None, progress: ProgressFn | None, device: str | None,
+                   rounds: int | None, on_divergence: str | None) -> list[CellResult]:
     config = load_run_config(run_dir)
     if rounds is not None and rounds != config.federation.rounds:
         config = extend_rounds(run_dir, config, rounds)

@@ -3,8 +3,11 @@
 ```
 RUN_DIR/
   config.yaml                 resolved experiment config
+  run.json, partitions.json   where and how it ran; what every client holds (checked on resume)
+  .lock                       held by the process running it (a second run or resume is refused)
   results.md, results.json    the comparison table (methods x clients, mean (std) over seeds)
   comparison.png              average test accuracy over rounds, one line per method
+  diagnostics.png             drift and gradient dissimilarity per round (runs with diagnostics on)
   <method>/seed<k>/
     metrics.jsonl             one line per round per client and split
     checkpoint.pt             engine state after the last completed round (atomic replace)
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -33,12 +37,17 @@ def cell_dir(run_dir: Path, label: str, seed: int) -> Path:
 
 def atomic_write_bytes(path: Path, write) -> None:
     """Write through a temporary file and rename, so a kill leaves the old or the new file, never half."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        write(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    # a name of its own per write: two processes writing one file never rename each other's half-written file
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def save_checkpoint(path: Path, state: dict) -> None:

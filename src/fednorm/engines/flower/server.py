@@ -39,7 +39,8 @@ from ...methods.local_update import LocalResult
 from ...methods.server import ClientReply
 from ...runs import store
 from ...runs.config import ExperimentConfig, MethodConfig
-from ...runs.runner import RUN_INFO_FILE, CellResult, RunError, build_engine, execute, load_run_config, start_run
+from ...runs.runner import (RUN_INFO_FILE, CellResult, RunError, build_engine, execute, load_run_config, run_lock,
+                            start_run)
 from ..simulation import Evaluation
 from . import messages as m
 from .node import check_flower_method, experiment_text
@@ -598,7 +599,8 @@ def run_experiment(grid, settings: ServerSettings, progress=None) -> list[CellRe
 
     if settings.resume:
         log(INFO, "fednorm: resuming %s from its checkpoints", run_dir)
-        results = execute(run_dir, config, None, progress, clients=clients, build=build)
+        with run_lock(run_dir):
+            results = execute(run_dir, config, None, progress, clients=clients, build=build)
     else:
         results = start_run(config, run_dir, progress=progress, clients=clients, build=build)
     store.write_json(run_dir / "flower.json", {
