@@ -28,6 +28,13 @@ def test_overrides_are_parsed_as_yaml():
         ("model.norm=batch", "model.norm"),
         ("methods=[fedavg, fedavg]", "labels must be distinct"),
         ("rounds", "key=value"),
+        ("seeds=[-1]", "seeds.0: Input should be greater than or equal to 0"),
+        ("data.split_seed=-1", "data.split_seed"),
+        ("federation=5", "federation: Input should be a valid dictionary"),
+        # a label is the cell's folder: RUN/<label>/seed<k> must stay inside the run folder
+        ("methods=[{name: fedavg, label: ../escaped}]", "methods.0.label"),
+        ("methods=[{name: fedavg, label: a/b}]", "methods.0.label"),
+        ("methods=[{name: fedavg, label: '..'}]", "names no folder of its own"),
     ],
 )
 def test_bad_config_gets_an_error_naming_the_key(override, message):
@@ -44,6 +51,13 @@ def test_missing_config_file_and_unknown_preset(tmp_path):
     bad.write_text("seeds: [0\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(str(bad))
+    twice = tmp_path / "twice.yaml"  # plain YAML keeps the last value silently
+    twice.write_text("training: {lr: 0.1, lr: 0.001}\n")
+    with pytest.raises(ConfigError, match="the key 'lr' is given twice"):
+        load_config(str(twice))
+    twice.write_text("federation:\n  rounds: 50\nseeds: [0]\nfederation:\n  fraction: 0.5\n")
+    with pytest.raises(ConfigError, match="the key 'federation' is given twice"):
+        load_config(str(twice))
 
 
 def test_fedwon_methods_and_cross_device_validate():

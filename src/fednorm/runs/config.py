@@ -9,7 +9,7 @@ from __future__ import annotations
 import warnings
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 import yaml
@@ -57,7 +57,7 @@ class DataConfig(_Strict):
     test_domain: str | None = Field(None, description="label-skew partitions: test every client on this domain's "
                                     "whole pool (cifar10/test) and train on the whole pool of the domain")
     pool_size: int = Field(7438, ge=10)
-    split_seed: int = Field(0, description="seed of the stratified split (fixed across runs, as FedBN)")
+    split_seed: int = Field(0, ge=0, lt=2**32, description="seed of the stratified split (fixed across runs, as FedBN)")
     rendered_size: int = Field(9298, ge=20, description="images rendered per rendered domain")
     data_dir: str | None = Field(None, description="data folder; else --data-dir, FEDNORM_DATA, user cache")
     truncate_train: bool | None = Field(
@@ -145,7 +145,8 @@ class MethodConfig(_Strict):
     """A preset by name, optionally with axes overridden (e.g. FedBN + FedProx: name fedbn, prox_mu 0.01)."""
 
     name: str
-    label: str | None = None
+    label: str | None = Field(None, pattern=r"^[^/\\]+$",
+                              description="the method's row and folder name (one folder: no / or \\, not . or ..)")
     policy: str | None = None
     prox_mu: float | None = Field(None, ge=0)
     prox_schedule: Literal["paper", "fedbn_code"] | None = None
@@ -168,6 +169,13 @@ class MethodConfig(_Strict):
     def _preset(cls, value: str) -> str:
         if value not in PRESETS:
             raise ValueError(f"unknown method {value!r}; choose one of {', '.join(PRESETS)}")
+        return value
+
+    @field_validator("label")
+    @classmethod
+    def _one_folder(cls, value: str | None) -> str | None:
+        if value is not None and value.strip() in ("", ".", ".."):
+            raise ValueError(f"label {value!r} names no folder of its own (a cell is RUN/<label>/seed<k>)")
         return value
 
     @field_validator("amplitude_norm", mode="before")
@@ -404,7 +412,7 @@ def _dotted(config: BaseModel, key: str) -> Any:
 class ExperimentConfig(_Strict):
     name: str = "experiment"
     description: str = ""
-    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    seeds: list[Annotated[int, Field(ge=0, lt=2**32)]] = Field(default_factory=lambda: [0], min_length=1)
     methods: list[MethodConfig] = Field(default_factory=lambda: [MethodConfig(name="fedavg")], min_length=1)
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -493,7 +501,8 @@ class ExperimentConfig(_Strict):
     @classmethod
     def _dsgd(cls, data: Any) -> Any:
         """``federation.pattern: dsgd`` sets training.steps = 1 and a persistent optimizer, and refuses others."""
-        if not isinstance(data, dict) or (data.get("federation") or {}).get("pattern") != "dsgd":
+        if not isinstance(data, dict) or not isinstance(data.get("federation"), dict) or \
+                data["federation"].get("pattern") != "dsgd":
             return data
         data = dict(data)
         training = dict(data.get("training") or {})
@@ -574,6 +583,21 @@ def preset_names() -> list[str]:
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last one silently:
+    ``training: {lr: 0.1, lr: 0.001}`` would run with 0.001)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def _read_document(source: str | Path | None) -> dict:
     if source is None:
         source = "default"
@@ -590,7 +614,7 @@ def _read_document(source: str | Path | None) -> dict:
             )
         text = (resources.files("fednorm.runs") / "presets" / f"{name}.yaml").read_text()
     try:
-        document = yaml.safe_load(text) or {}
+        document = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {source} is not valid YAML: {exc}") from None
     if not isinstance(document, dict):
