@@ -1,4 +1,5 @@
 import json
+import math
 import os
 import warnings
 
@@ -400,9 +401,27 @@ def test_a_diverged_cell_stops_the_run_or_is_recorded_and_the_grid_goes_on(tmp_p
     assert "diverged" not in good.summary and good.summary["rounds"] == 4
     text = (tmp_path / "run" / "results.md").read_text()
     assert f"| fedavg-lr1e9{DIVERGED} |" in text
-    assert f"fedavg-lr1e9 seed 0 in round {at} (numbers: the model after round {at - 1})" in text
+    assert f"fedavg-lr1e9 seed 0 in round {at}" in text and "the last finite model's" in text
     # a resume keeps the recorded outcome instead of retraining into the same NaN
     assert resume_run(tmp_path / "run")[0].summary["diverged"] == bad.summary["diverged"]
+
+
+def test_finite_weights_with_non_finite_outputs_are_a_divergence_not_a_result(tmp_path):
+    """lr 1e3: the round-2 weights are finite but the model's logits overflow: its 'accuracy' (argmax of NaN)
+    must not be recorded as a result, whatever on_divergence is."""
+    from fednorm.methods.aggregation import DivergenceError
+
+    methods = "methods=[{name: fedavg, label: fedavg-lr1e3, lr: 1.0e3}]"
+    with pytest.raises(DivergenceError, match="round 2: the global model's test loss on rendered/print is nan"):
+        start_run(tiny_config(methods, "federation.rounds=2", "federation.eval_every=1"), tmp_path / "stop")
+    [bad] = start_run(tiny_config(methods, "federation.rounds=2", "federation.eval_every=1", "federation.on_divergence=record"),
+                      tmp_path / "run")
+    assert bad.summary["diverged"]["round"] == 2 and "outputs are not finite" in bad.summary["diverged"]["reason"]
+    records = store.read_metrics(tmp_path / "run" / "fedavg-lr1e3" / "seed0" / "metrics.jsonl")
+    assert all(r["round"] < 2 for r in records if r["split"] == "test")  # nothing of the NaN evaluation kept
+    assert all(math.isfinite(r["loss"]) for r in records)
+    finals = [c["test"]["final_acc"] for c in bad.summary["clients"]]
+    assert finals == [r["acc"] for r in records if r["split"] == "test" and r["round"] == 1]
 
 
 @pytest.mark.parametrize("setting, precision, expected", [("auto", "fp32", False), ("auto", "bf16", True),

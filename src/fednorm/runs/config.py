@@ -324,8 +324,9 @@ class FederationConfig(_Strict):
         "local step per round from the global model with a persistent client optimizer, so the server's average "
         "is DSGD's averaged (momentum) gradient step (FBN paper, Algorithm 3)")
     on_divergence: Literal["stop", "record"] = Field(
-        "stop", description="when a client's loss or update turns NaN/inf: stop the run with an error (stop), or "
-        "end only that cell, evaluate the server's last finite model, mark the cell diverged and go on with the "
+        "stop", description="when a client's loss or update, or the global model's evaluation loss, turns NaN/inf: "
+        "stop the run with an error (stop), or end only that cell, keep the last finite model's scores, mark the "
+        "cell diverged and go on with the "
         "next cell (record: for grids where divergence is an outcome, e.g. attacks without defense)")
 
     def resolved_device(self) -> torch.device:

@@ -95,10 +95,10 @@ class ResultsTable:
             notes.append("paper rows: " + (self.paper_source or "the numbers the config quotes from its paper")
                          + " (the paper's own setting: this run's overrides in config.yaml do not change them)")
         if self.diverged:
-            cells = "; ".join(f"{m} seed {seed} in round {rnd} (numbers: the model after round {rnd - 1})"
-                              for m, where in self.diverged.items() for seed, rnd in where)
-            notes.append(f"{DIVERGED} training diverged (NaN/inf loss or update), the cell stopped there and its numbers "
-                         f"are the server's last finite model: {cells}")
+            cells = "; ".join(f"{m} seed {seed} in round {rnd}" for m, where in self.diverged.items()
+                              for seed, rnd in where)
+            notes.append(f"{DIVERGED} training diverged (NaN/inf loss, update or model output), the cell stopped there "
+                         f"and its numbers are the last finite model's (the server's model before that round): {cells}")
         return "\n\n".join(notes)
 
     def markdown(self) -> str:

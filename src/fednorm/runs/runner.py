@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import socket
 import uuid
@@ -255,24 +256,32 @@ def run_cell(
         progress(label, seed, engine.round, rounds, {})
     diverged: dict | None = None
     while engine.round < rounds:
+        evals = None
+        this_round = engine.round + 1
         try:
             train_results = engine.run_round()
+            if this_round % f.eval_every == 0 or this_round == rounds:
+                evals = engine.evaluate()
+                check_evaluations(evals, external_names)
         except DivergenceError as err:
             if f.on_divergence != "record":
                 run_dir = cell.parent.parent
                 raise DivergenceError(
-                    f"{label} seed {seed} diverged in round {engine.round + 1}: {err}. The cells finished before it "
+                    f"{label} seed {seed} diverged in round {this_round}: {err}. The cells finished before it "
                     f"are kept. To record the divergence as this cell's outcome and go on with the next cells: "
                     f"`fednorm resume {run_dir} --on-divergence record`") from err
-            # the server's model is still the last finite aggregate; clients that trained before the failing one
-            # keep their (finite) new local state. Evaluated and recorded at the round that diverged.
-            diverged = {"round": engine.round + 1, "reason": str(err)}
-            evals = engine.evaluate()
-            store.append_metrics(metrics_path, [
-                {"round": diverged["round"], "client": e.client, "split": e.split, "acc": e.accuracy, "loss": e.loss,
-                 "n": e.num_examples, "metric": e.metric, "diverged": True} for e in evals])
+            diverged = {"round": this_round, "reason": str(err)}
+            if evals is None:
+                # in training: the server's model is still the last finite aggregate; clients that trained before
+                # the failing one keep their (finite) new local state. Evaluated, recorded at the round that diverged.
+                evals = engine.evaluate()
+                store.append_metrics(metrics_path, [
+                    {"round": this_round, "client": e.client, "split": e.split, "acc": e.accuracy, "loss": e.loss,
+                     "n": e.num_examples, "metric": e.metric, "diverged": True} for e in evals])
+            # in evaluation (finite weights, non-finite outputs): nothing of the round is recorded, the cell's
+            # numbers are its last finite evaluation
             if progress:
-                progress(label, seed, rounds, rounds, {"diverged": diverged["round"]})
+                progress(label, seed, rounds, rounds, {"diverged": this_round})
             break
         r = engine.round
         records = [
@@ -283,8 +292,7 @@ def run_cell(
         last: dict = {}
         if train_results:  # an engine that lost every client of a round (Flower) reports none
             last["train_loss"] = sum(x.mean_loss for x in train_results.values()) / len(train_results)
-        if r % f.eval_every == 0 or r == rounds:
-            evals = engine.evaluate()
+        if evals is not None:
             records += [  # "acc" holds the task's main score, named by "metric" (accuracy, or dice)
                 {"round": r, "client": e.client, "split": e.split, "acc": e.accuracy, "loss": e.loss,
                  "n": e.num_examples, "metric": e.metric}
@@ -321,6 +329,17 @@ def run_cell(
 
     plot_cell(store.read_metrics(metrics_path), cell)
     return summary
+
+
+def check_evaluations(evals, external_names) -> None:
+    """Raise :class:`DivergenceError` when the global model scores a federation client with a non-finite loss:
+    finite weights whose outputs overflow (a huge learning rate) give NaN logits, whose "accuracy" (argmax of
+    NaN) would otherwise be recorded as a result. External clients are scored, not trained: left out."""
+    bad = [e for e in evals if e.client not in external_names and not math.isfinite(e.loss)]
+    if bad:
+        e = bad[0]
+        raise DivergenceError(f"the global model's {e.split} loss on {e.client} is {e.loss} (its outputs are not "
+                              f"finite{f'; {len(bad) - 1} more client evaluations too' if len(bad) > 1 else ''})")
 
 
 def external_entries(external: list[ClientData], modes) -> list[ClientData]:
