@@ -35,6 +35,9 @@ def test_overrides_are_parsed_as_yaml():
         ("methods=[{name: fedavg, label: ../escaped}]", "methods.0.label"),
         ("methods=[{name: fedavg, label: a/b}]", "methods.0.label"),
         ("methods=[{name: fedavg, label: '..'}]", "names no folder of its own"),
+        # an external client never trained, and the global model must be able to score it
+        ("external.domains=[rendered/print]", "rendered/print also train in data.domains"),
+        ("external.domains=[pacs/photo]", "external.domains do not fit data.domains: .* mix image sizes"),
     ],
 )
 def test_bad_config_gets_an_error_naming_the_key(override, message):

@@ -449,6 +449,27 @@ class ExperimentConfig(_Strict):
         return build_task("segmentation" if kind == "segmentation" else "classification", self.training.loss,
                           self.training.dice_background, benchmark)
 
+    def _check_external(self) -> None:
+        """External clients (UniFed: domains that never trained) are other domains than the federation's, of the
+        same image size, classes and task, so the global model can score them."""
+        external = self.external.domains
+        if not external:
+            return
+        base = lambda d: d.split("@")[0]  # noqa: E731 - the same images at another prepared size
+        overlap = sorted({base(d) for d in self.data.domains} & {base(d) for d in external})
+        if overlap:
+            raise ValueError(f"external.domains: {', '.join(overlap)} also train in data.domains; an external client "
+                             "is a domain the federation never trained on (UniFed Sec. 4.1)")
+        try:
+            image_size([*self.data.domains, *external])
+            num_classes([*self.data.domains, *external])
+        except ValueError as exc:
+            raise ValueError(f"external.domains do not fit data.domains: {exc}") from None
+        kinds = {parse_domain(d).task for d in [*self.data.domains, *external]}
+        if len(kinds) > 1:
+            raise ValueError(f"external.domains do not fit data.domains: they mix {' and '.join(sorted(kinds))} "
+                             "domains; an external client is scored by the federation's own model")
+
     def _check_task(self) -> None:
         """Data, task, model and methods fit together (medical domains, segmentation, feature vectors)."""
         specs = [parse_domain(d) for d in self.data.domains]
@@ -556,6 +577,7 @@ class ExperimentConfig(_Strict):
             num_classes(self.data.domains)
         except ValueError as exc:
             raise ValueError(f"data.domains: {exc}") from None
+        self._check_external()
         self._check_task()
         if self.model.name == "digit_cnn" and size != 28:
             raise ValueError(f"model digit_cnn takes 28 x 28 digits; domains of {size} x {size} need alexnet, "
