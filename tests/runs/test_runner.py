@@ -406,6 +406,20 @@ def test_a_diverged_cell_stops_the_run_or_is_recorded_and_the_grid_goes_on(tmp_p
     assert resume_run(tmp_path / "run")[0].summary["diverged"] == bad.summary["diverged"]
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["methods=[fedavg, {name: fedavg_gn, freeze_bn_stats_at: 0.5}]"], "fedavg_gn' freezes BatchNorm statistics"),
+    (["model.name=resnet18", "model.width=0.5"], "model 'resnet18' has no option 'width'"),
+    (["model.name=densenet121"], "Output size is too small"),  # 28 x 28 digits through DenseNet-121's pools
+])
+def test_a_method_that_cannot_run_fails_before_the_run_folder_is_written(tmp_path, overrides, message):
+    """Found when its cell starts, such an error would leave a folder whose frozen config no resume gets past."""
+    from fednorm.runs.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        start_run(tiny_config(*overrides), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
 def test_finite_weights_with_non_finite_outputs_are_a_divergence_not_a_result(tmp_path):
     """lr 1e3: the round-2 weights are finite but the model's logits overflow: its 'accuracy' (argmax of NaN)
     must not be recorded as a result, whatever on_divergence is."""

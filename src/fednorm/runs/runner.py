@@ -431,6 +431,23 @@ def _write_run_info(run_dir: Path, data_dir: Path | None, config: ExperimentConf
     })
 
 
+def preflight(config: ExperimentConfig, clients: list[ClientData]) -> None:
+    """Build every method's engine and score two images with its model before the run folder is written, so a
+    method, model or data that do not fit fail as a config error (which a resume could not get past once the
+    config is frozen in the folder), not after the cells before it have trained."""
+    from .config import ConfigError
+
+    for method_cfg in config.methods:
+        try:
+            engine = build_engine(config, method_cfg, config.seeds[0], clients)
+            sample = clients[0].test if len(clients[0].test) else clients[0].train
+            engine.model.eval()
+            with torch.no_grad():
+                engine.model(engine.prepare(sample.x[:2]))
+        except (ValueError, RuntimeError, TypeError) as exc:
+            raise ConfigError(f"method {method_cfg.display!r} cannot run on this config: {exc}") from exc
+
+
 LOCK_FILE = ".lock"
 
 
@@ -478,6 +495,7 @@ def start_run(
         if needs_data_folder(config):
             resolved = resolve_data_dir(data_dir or config.data.data_dir)
         clients = build_federation_data(config, resolved)  # before writing anything: bad data leaves no folder
+        preflight(config, clients)
     run_dir.mkdir(parents=True, exist_ok=True)
     with run_lock(run_dir):
         if (run_dir / store.CONFIG_FILE).exists():  # started by another process since the check above
