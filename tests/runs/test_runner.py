@@ -406,6 +406,16 @@ def test_a_diverged_cell_stops_the_run_or_is_recorded_and_the_grid_goes_on(tmp_p
     assert resume_run(tmp_path / "run")[0].summary["diverged"] == bad.summary["diverged"]
 
 
+def test_a_checkpoint_of_another_model_is_named_on_resume(tmp_path):
+    cfg = tiny_config("methods=[fedbn]")
+    with pytest.raises(Stop):
+        start_run(cfg, tmp_path / "run", progress=stop_after(2))
+    text = (tmp_path / "run" / "config.yaml").read_text()
+    (tmp_path / "run" / "config.yaml").write_text(text.replace("width: 0.125", "width: 0.25"))
+    with pytest.raises(RunError, match=r"fedbn/seed0/checkpoint.pt does not fit the model .* delete the checkpoint"):
+        resume_run(tmp_path / "run")
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["methods=[fedavg, {name: fedavg_gn, freeze_bn_stats_at: 0.5}]"], "fedavg_gn' freezes BatchNorm statistics"),
     (["model.name=resnet18", "model.width=0.5"], "model 'resnet18' has no option 'width'"),

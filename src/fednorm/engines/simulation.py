@@ -462,6 +462,10 @@ class InProcessEngine:
         missing = set(self.global_state) ^ set(state["global_state"])
         if missing:
             raise ValueError(f"checkpoint does not match the model: differing entries {sorted(missing)[:5]}")
+        reshaped = [f"{k} {tuple(v.shape)} (model {tuple(self.global_state[k].shape)})"
+                    for k, v in state["global_state"].items() if v.shape != self.global_state[k].shape]
+        if reshaped:
+            raise ValueError(f"checkpoint does not match the model: entries of other shapes, {', '.join(reshaped[:3])}")
         # checkpoints are read to the host (store.load_checkpoint): the model's state goes back to its device;
         # optimizer states follow their parameters when loaded, the input state (amplitudes) is used on the host
         on_device = ("global_state", "local_states", "server", "algorithm_server_state", "algorithm_states")

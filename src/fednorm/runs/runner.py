@@ -247,7 +247,13 @@ def run_cell(
     metrics_path, checkpoint_path = cell / store.METRICS_FILE, cell / store.CHECKPOINT_FILE
     engine = (build or build_engine)(config, method_cfg, seed, clients)
     if checkpoint_path.exists():
-        engine.load_state_dict(store.load_checkpoint(checkpoint_path))
+        state = store.load_checkpoint(checkpoint_path)
+        try:
+            engine.load_state_dict(state)
+        except (RuntimeError, KeyError, ValueError) as exc:  # size mismatch, missing or unexpected entries
+            raise RunError(f"{checkpoint_path} does not fit the model and method this run's config builds ({exc}). "
+                           "The config.yaml or the code changed since the checkpoint was written: restore them, or "
+                           "delete the checkpoint to restart this cell from round 0") from exc
     store.truncate_metrics(metrics_path, engine.round)
     rounds, f = config.federation.rounds, config.federation
     external_names = {c.name for c in external_entries(split_external(clients)[1], config.external.modes)}
