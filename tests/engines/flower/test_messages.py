@@ -57,6 +57,10 @@ def test_a_reply_for_another_client_or_with_bad_counts_is_refused():
     content[m.METRICS] = MetricRecord({"num_steps": -1, "num_examples": 1, "loss_sum": 1.0, "weight": 1.0})
     with pytest.raises(UpdateError, match="invalid step"):
         m.decode_reply(content, "a", 1.0)
+    # types MetricRecord allows but a count or loss is not: a clear UpdateError, not a TypeError out of the round
+    content[m.METRICS] = MetricRecord({"num_steps": 1, "num_examples": 1, "loss_sum": [1.0, 2.0], "weight": 1.0})
+    with pytest.raises(UpdateError, match="loss_sum that is not a number"):
+        m.decode_reply(content, "a", 1.0)
 
 
 def test_client_memory_lives_in_context_state():
@@ -91,6 +95,14 @@ def test_roster_and_evaluations_round_trip():
         m.decode_evaluations(bad, "c")
     with pytest.raises(UpdateError, match="without a 'roster'"):
         m.decode_roster(RecordDict({"x": ArrayRecord()}), 7)
+    columns = m.roster_record(entries)
+    columns["index"] = ["1", "3"]  # a string where the server compares integers
+    with pytest.raises(UpdateError, match="roster column 'index' holds '1', not int"):
+        m.decode_roster(RecordDict({m.ROSTER: columns}), 7)
+    counted = RecordDict({"eval.c|test": ConfigRecord({"client": "c", "split": "test", "acc": 0.5, "loss": 0.0,
+                                                       "n": True, "metric": "accuracy"})})
+    with pytest.raises(UpdateError, match="invalid evaluation"):
+        m.decode_evaluations(counted, "c")
 
 
 def test_drift_travels_with_the_reply_and_a_bad_drift_is_refused():

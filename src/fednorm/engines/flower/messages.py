@@ -150,7 +150,9 @@ def decode_reply(content: RecordDict, client: str, weight: float
         loss_sum = float(metrics["loss_sum"])
     except KeyError as exc:
         raise UpdateError(f"{who} sent no {exc.args[0]!r} in its metrics") from None
-    if not isinstance(num_steps, int) or num_steps < 0 or not isinstance(num_examples, int) or num_examples < 0:
+    except (TypeError, ValueError) as exc:  # e.g. a list where a number belongs (MetricRecord allows lists)
+        raise UpdateError(f"{who} sent a loss_sum that is not a number ({metrics['loss_sum']!r}: {exc})") from None
+    if not _count(num_steps) or not _count(num_examples):
         raise UpdateError(f"{who} sent invalid step or example counts ({num_steps!r}, {num_examples!r})")
     if not math.isfinite(loss_sum):
         raise UpdateError(f"{who} reported a non-finite training loss ({loss_sum}): its local training diverged")
@@ -176,6 +178,11 @@ def encode_evaluations(evals) -> RecordDict:
     return content
 
 
+def _count(value) -> bool:
+    """A non-negative integer count (a bool is not one, though Python's bool is an int)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def decode_evaluations(content: RecordDict, client: str):
     """The :class:`fednorm.engines.simulation.Evaluation` list of ``client``'s evaluate reply (an external
     client's are named ``<client>:<mode>``)."""
@@ -193,7 +200,7 @@ def decode_evaluations(content: RecordDict, client: str):
             raise UpdateError(f"{who} sent a malformed evaluation {name!r}: {exc}") from None
         if named != client and not named.startswith(client + ":"):
             raise UpdateError(f"{who} sent an evaluation of {named!r}")
-        if not isinstance(n, int) or n < 0 or not 0.0 <= acc <= 1.0:
+        if not _count(n) or not 0.0 <= acc <= 1.0:
             raise UpdateError(f"{who} sent an invalid evaluation of {split!r}: score {acc}, n {n!r}")
         out.append(Evaluation(named, split, acc, loss, n, metric))
     return out
@@ -234,6 +241,11 @@ def decode_roster(content: RecordDict, node_id: int) -> list[RosterEntry]:
         raise UpdateError(f"node {node_id}'s roster lacks {exc.args[0]!r}") from None
     if len({len(c) for c in columns}) > 1:
         raise UpdateError(f"node {node_id}'s roster columns differ in length")
+    for f, column in zip(fields(RosterEntry), columns):
+        kind = {"int": int, "str": str, "bool": bool}[f.type]
+        wrong = [v for v in column if not isinstance(v, kind) or (kind is int and isinstance(v, bool))]
+        if wrong:
+            raise UpdateError(f"node {node_id}'s roster column {f.name!r} holds {wrong[0]!r}, not {f.type}")
     return [RosterEntry(*row) for row in zip(*columns)]
 
 
