@@ -35,6 +35,13 @@ def test_overrides_are_parsed_as_yaml():
         ("methods=[{name: fedavg, label: ../escaped}]", "methods.0.label"),
         ("methods=[{name: fedavg, label: a/b}]", "methods.0.label"),
         ("methods=[{name: fedavg, label: '..'}]", "names no folder of its own"),
+        # options the method never reads: the row would be the plain method under another label
+        ("methods=[{name: singleset, prox_mu: 10}]", "does not use prox_mu .*trains each client alone"),
+        ("methods=[{name: fedavg, server: {momentum: 0.9}}]", "does not use server.momentum .*this method's is mean"),
+        ("methods=[{name: fedavg, client: {moon_mu: 10}}]", "does not use client.moon_mu \\(read by moon"),
+        ("methods=[{name: fedavg, prox_schedule: fedbn_code}]", "does not use prox_schedule"),
+        ("methods=[{name: fedavg, agc_exclude_head: false}]", "does not use agc_exclude_head"),
+        ("methods=[{name: fedavg, server: {rule: fedavgm, tau: 0.01}}]", "server.tau .*this method's is fedavgm"),
         # an external client never trained, and the global model must be able to score it
         ("external.domains=[rendered/print]", "rendered/print also train in data.domains"),
         ("external.domains=[pacs/photo]", "external.domains do not fit data.domains: .* mix image sizes"),

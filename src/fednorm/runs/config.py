@@ -22,7 +22,7 @@ from ..methods.local_update import LocalTraining, native_bf16, resolve_channels_
 from ..methods.policy import POLICIES
 from ..methods.presets import PRESETS, Method, resolve_method
 from ..methods.robust import ATTACKS
-from ..methods.server import SERVER_RULES
+from ..methods.server import ROBUST_RULES, SERVER_OPTIMIZERS, SERVER_RULES
 from ..methods.tasks import DICE_BACKGROUND, LOSSES, Task, build_task
 from ..models.norm import BATCHNORM_KINDS, NORM_KINDS
 from ..models.registry import MODEL_NAMES, build_model
@@ -141,6 +141,14 @@ class ServerConfig(_Strict):
         "(BN statistics only, parameters by the weighted mean)")
 
 
+# which client algorithms read a client.<option> (by prefix), and which server rules read a server.<option>
+CLIENT_OPTION_OWNERS = {"scaffold_option": ("scaffold",), "scaffold_effective_steps": ("scaffold", "feddc"),
+                        "moon_": ("moon",), "feddc_": ("feddc",), "perfedavg_": ("perfedavg",)}
+_ADAPTIVE = ("fedadam", "fedyogi", "fedadagrad")
+SERVER_OPTION_RULES = {"lr": SERVER_OPTIMIZERS, "momentum": SERVER_OPTIMIZERS, "beta2": _ADAPTIVE, "tau": _ADAPTIVE,
+                       "nnm": ROBUST_RULES, "robust_f": ROBUST_RULES, "robust_scope": ROBUST_RULES}
+
+
 class MethodConfig(_Strict):
     """A preset by name, optionally with axes overridden (e.g. FedBN + FedProx: name fedbn, prox_mu 0.01)."""
 
@@ -205,7 +213,36 @@ class MethodConfig(_Strict):
             if unknown:
                 raise ValueError(f"client: unknown keys {unknown}; known: {', '.join(sorted(known))}")
             self.build()  # the ClientSpec checks the values
+        self._refuse_unused()
         return self
+
+    def _refuse_unused(self) -> None:
+        """An option the method never reads would make a row that looks like a variant and computes the plain
+        method (same numbers under another label): refused, naming what reads it."""
+        method = self.build()
+        unused = []
+        algorithm = method.client.name
+        for key in self.client or {}:
+            owners = next((o for prefix, o in CLIENT_OPTION_OWNERS.items() if key.startswith(prefix)), None)
+            if owners is not None and algorithm not in owners:
+                unused.append(f"client.{key} (read by {' and '.join(owners)}; this method's client algorithm is "
+                              f"{algorithm})")
+        rule = method.server.rule
+        for key in (self.server.model_fields_set - {"rule"} if self.server else ()):
+            if getattr(self.server, key) is not None and rule not in SERVER_OPTION_RULES[key]:
+                unused.append(f"server.{key} (read by the {', '.join(SERVER_OPTION_RULES[key])} rules; this method's "
+                              f"is {rule})")
+        if not method.communicates:
+            unused += [f"{key} (this method trains each client alone: nothing is sent to a server)" for key, on in (
+                ("prox_mu", method.prox_mu > 0), ("server", self.server is not None),
+                ("client", algorithm != "sgd")) if on]
+        if self.prox_schedule is not None and method.prox_mu == 0:
+            unused.append("prox_schedule (the schedule of a proximal term, and prox_mu is 0)")
+        if self.agc_exclude_head is not None and method.agc_clip == 0:
+            unused.append("agc_exclude_head (adaptive gradient clipping is off: agc_clip 0)")
+        if unused:
+            raise ValueError(f"method {self.display!r} does not use {'; '.join(unused)}: remove it, or choose a "
+                             "method that reads it")
 
     @property
     def display(self) -> str:
