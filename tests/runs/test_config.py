@@ -27,6 +27,7 @@ def test_overrides_are_parsed_as_yaml():
         ("data.domains=[svhn2]", "unknown domain 'svhn2'"),
         ("model.norm=batch", "model.norm"),
         ("methods=[fedavg, fedavg]", "labels must be distinct"),
+        ("data.domains=[office_caltech10/amazon, office_caltech10/amazon@64]", "domains must be distinct"),
         ("rounds", "key=value"),
         ("seeds=[-1]", "seeds.0: Input should be greater than or equal to 0"),
         ("data.split_seed=-1", "data.split_seed"),

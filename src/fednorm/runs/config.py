@@ -85,8 +85,9 @@ class DataConfig(_Strict):
     def _known(cls, value: list[str]) -> list[str]:
         for d in value:
             check_domain(d)
-        if len(set(value)) != len(value):
-            raise ValueError("domains must be distinct")
+        bases = [d.split("@")[0] for d in value]  # amazon and amazon@64: the same images
+        if len(set(bases)) != len(bases):
+            raise ValueError("domains must be distinct (a domain at two prepared sizes is one domain)")
         return value
 
 
