@@ -64,6 +64,45 @@ def test_fedbn_clients_evaluate_with_their_own_bn_and_fedavg_with_one_model(tiny
     assert avg.local_states == {}
 
 
+def test_evaluate_scores_each_fedbn_client_with_its_own_bn_not_the_global_model(tiny_clients):
+    """evaluate(): client c's numbers are those of the global weights with c's own BN state, and differ from
+    the global model's (whose BN statistics the server never touched)."""
+    eng = engine(tiny_clients, "fedbn")
+    eng.run_round()
+    scored = {e.client: (e.accuracy, e.loss) for e in eng.evaluate(("test",))}
+    global_only = []
+    for c in tiny_clients:
+        eng.load_client(c.name)
+        assert scored[c.name] == pytest.approx(eng.evaluate_split(c.test), abs=1e-12)
+        eng.model.load_state_dict(eng.global_state)
+        global_only.append(eng.evaluate_split(c.test)[1])
+    assert [scored[c.name][1] for c in tiny_clients] != pytest.approx(global_only, abs=1e-6)
+
+
+@pytest.mark.parametrize("method, expected", [
+    ("fedwon", {"agc_clip": 0.64, "agc_exclude_head": True, "weight_perturbation": 0.0}),
+    ("harmofl", {"agc_clip": 0.0, "weight_perturbation": 0.05}),
+])
+def test_the_engine_hands_the_methods_agc_and_weight_perturbation_to_local_training(tiny_clients, monkeypatch,
+                                                                                  method, expected):
+    """FedWon's engine round clips (AGC lambda 0.64, head excluded), HarmoFL's perturbs (alpha 0.05): the settings
+    reach every client's local training, not only the preset."""
+    import fednorm.engines.client_step as step
+
+    seen, real = [], step.train_locally
+
+    def spy(*args, **kwargs):
+        seen.append({k: kwargs[k] for k in expected})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step, "train_locally", spy)
+    norm = "ws" if method == "fedwon" else "bn"
+    eng = InProcessEngine(DigitCNN(width=0.125, norm=norm), tiny_clients, resolve_method(method), TRAIN,
+                          Federation(channels_last=False), normalize_batch)
+    eng.run_round()
+    assert seen == [expected] * len(tiny_clients)
+
+
 def test_fedbn_with_one_client_equals_local_training(tiny_clients):
     one = [tiny_clients[0]]
     fedbn, single = engine(one, "fedbn"), engine(one, "singleset")

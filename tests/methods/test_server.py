@@ -244,6 +244,58 @@ def test_each_attack_on_statistics_reaches_the_server_as_defined():
     torch.testing.assert_close(alie["bn.running_var"], (7 * h_var + 3 * sent_var) / 10)
 
 
+def test_alie_and_foe_on_parameters_reach_the_server_as_defined():
+    """Attacks on the parameters replace the Byzantine pseudo-gradients g_k = x - x_k, by hand (no defense)."""
+    from statistics import NormalDist
+
+    x = torch.tensor([0.5, -1.0, 2.0], dtype=D)
+    grads = [torch.tensor([1.0 + i, -0.5 * i, 0.25 * i * i], dtype=D) for i in range(10)]
+    values = [x - g for g in grads]
+    byz = ("c7", "c8", "c9")
+    honest = torch.stack(grads[:7])
+    z = NormalDist().inv_cdf(0.7)  # z_max(n = 10, f = 3)
+    alie, _ = _run(ServerSpec(), x, values, threat=Threat("a_little_is_enough", byz, targets=("parameters",)))
+    sent = honest.mean(0) - z * honest.std(0)
+    torch.testing.assert_close(alie["w"], x - (7 * honest.mean(0) + 3 * sent) / 10)
+    foe, _ = _run(ServerSpec(), x, values, threat=Threat("fall_of_empires", byz, targets=("parameters",), foe_eps=0.5))
+    torch.testing.assert_close(foe["w"], x - (7 * honest.mean(0) + 3 * (-0.5 * honest.mean(0))) / 10)
+
+
+def test_robust_f_defaults_to_the_threats_byzantine_count():
+    """fbn_robust_mnistm sets no robust_f: NNM and the median must assume the 3 attackers, not f = 0 (with f = 0
+    NNM mixes every row and the 'defense' is the attacked mean)."""
+    means = [torch.tensor([1.0, 2.0], dtype=D) + 0.1 * i for i in range(10)]
+    vars_ = [torch.tensor([1.0, 3.0], dtype=D)] * 10
+    threat = Threat("sign_flip", ("c7", "c8", "c9"))
+    state = {"bn.running_mean": torch.zeros(2, dtype=D), "bn.running_var": torch.ones(2, dtype=D)}
+    spec = ServerSpec("median", nnm=True, robust_scope="statistics")
+    assert ServerUpdate(spec, state, param_keys=set(), threat=threat).robust_f == 3
+    default = _bn_round(spec, threat, means, vars_)
+    three = _bn_round(ServerSpec("median", nnm=True, robust_scope="statistics", robust_f=3), threat, means, vars_)
+    zero = _bn_round(ServerSpec("median", nnm=True, robust_scope="statistics", robust_f=0), threat, means, vars_)
+    torch.testing.assert_close(default["bn.running_mean"], three["bn.running_mean"])
+    honest = torch.stack(means[:7]).mean(0)
+    assert (default["bn.running_mean"] - honest).abs().max() < (zero["bn.running_mean"] - honest).abs().max()
+
+
+@pytest.mark.parametrize("rule", ["fedavgm", "fedadam", "fednova"])
+def test_server_optimizers_step_on_parameters_and_average_the_bn_statistics(rule):
+    """The server rule moves the parameters only; BN running statistics (buffers) take the weighted mean."""
+    x = torch.tensor([1.0, -1.0], dtype=D)
+    stats = {"bn.running_mean": torch.zeros(2, dtype=D), "bn.running_var": torch.ones(2, dtype=D)}
+    state = {"w": x.clone(), **stats}
+    server = ServerUpdate(ServerSpec(rule, lr=0.5), state, param_keys={"w"})
+    server.begin(state)
+    sent = [(torch.tensor([0.5, 1.5], dtype=D), torch.tensor([2.0, 4.0], dtype=D)),
+            (torch.tensor([1.5, -0.5], dtype=D), torch.tensor([1.0, 0.5], dtype=D))]
+    for i, ((m, v), p) in enumerate(zip(sent, (0.25, 0.75))):
+        server.add(ClientReply(f"c{i}", {"w": x + 1 + 2 * i, "bn.running_mean": m, "bn.running_var": v}, p, 1 + i))
+    new = server.finish()
+    torch.testing.assert_close(new["bn.running_mean"], 0.25 * sent[0][0] + 0.75 * sent[1][0])
+    torch.testing.assert_close(new["bn.running_var"], 0.25 * sent[0][1] + 0.75 * sent[1][1])
+    assert not torch.allclose(new["w"], 0.25 * (x + 1) + 0.75 * (x + 3))  # the rule did act on the parameters
+
+
 def test_robust_scope_statistics_takes_the_median_of_the_statistics_and_the_mean_of_the_parameters():
     means = [torch.tensor([1.0, 2.0], dtype=D) + 0.1 * i for i in range(10)]
     vars_ = [torch.tensor([1.0, 3.0], dtype=D)] * 10
