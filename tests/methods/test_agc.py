@@ -17,6 +17,14 @@ def test_clips_exactly_the_units_above_the_ratio():
     torch.testing.assert_close(w.grad[2], torch.tensor([0.0, 0.5]))
 
 
+def test_default_eps_is_the_papers_1e_3():
+    """A zero-weight unit's norm is clamped to eps = 1e-3 (FedWon / NFNets) unless told otherwise."""
+    w = nn.Parameter(torch.zeros(1, 2))
+    w.grad = torch.tensor([[1.0, 0.0]])
+    clip_unitwise_([w], clip=0.5)
+    torch.testing.assert_close(w.grad, torch.tensor([[0.5e-3, 0.0]]))
+
+
 def test_conv_units_are_output_channels_and_vectors_are_one_unit():
     torch.manual_seed(0)
     w = torch.randn(4, 3, 2, 2)

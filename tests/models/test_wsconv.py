@@ -39,6 +39,14 @@ def test_listing1_defaults_gain_eps_and_non_persistent_buffers():
     assert float(conv.fan_in) == 2 * 3 * 3  # (in / groups) * kh * kw
     assert float(conv.eps) == pytest.approx(1e-4)
     assert conv.bias is not None
+    # Listing 1's torch.var: the unbiased variance by default (Eq. 3's 1/N is variance="biased")
+    assert conv.variance == "unbiased"
+    with torch.no_grad():
+        conv.weight.normal_(0.0, 1.0)
+    torch.testing.assert_close(conv.standardized_weight(), formula(conv.weight, conv.gain.flatten(), unbiased=True),
+                               rtol=1e-5, atol=1e-6)
+    converted = convert_to_ws(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))
+    assert converted[0].variance == "unbiased"
     # eps and fan_in are never aggregated or saved
     assert set(conv.state_dict()) == {"weight", "bias", "gain"}
 
