@@ -46,6 +46,25 @@ def test_dsgd_with_fbn_equals_centralized_fbn_on_the_union_batch():
     assert float(fed.global_state["features.1.running_var"].sub(1).abs().max()) > 1e-3
 
 
+def test_fbn_layers_count_the_rounds_participants_under_sampling(monkeypatch):
+    """n in Kn/(Kn-1) is the number of clients in the round (2 of 4 at fraction 0.5), not the federation's size:
+    every FBN layer a client trains with knows it."""
+    import fednorm.engines.client_step as step
+    from fednorm.models.fbn import federated_bn_layers
+
+    seen, real = [], step.train_locally
+
+    def spy(model, *args, **kwargs):
+        seen.append({layer.num_clients for layer in federated_bn_layers(model).values()})
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(step, "train_locally", spy)
+    fed = _engine(resolve_method("fbn"), _clients(), fraction=0.5)
+    for _ in range(3):
+        fed.run_round()
+    assert seen == [{2}] * 6
+
+
 def test_dsgd_naive_bn_differs_from_centralized_bn():
     clients = _clients()
     naive = _engine(resolve_method("naive_bn"), clients, norm="bn")
