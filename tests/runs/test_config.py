@@ -29,6 +29,7 @@ def test_overrides_are_parsed_as_yaml():
         ("methods=[fedavg, fedavg]", "labels must be distinct"),
         ("data.domains=[office_caltech10/amazon, office_caltech10/amazon@64]", "domains must be distinct"),
         ("rounds", "key=value"),
+        ("methods.0.lr=0.1", "'methods' is a list, set as a whole"),
         ("seeds=[-1]", "seeds.0: Input should be greater than or equal to 0"),
         ("data.split_seed=-1", "data.split_seed"),
         ("federation=5", "federation: Input should be a valid dictionary"),

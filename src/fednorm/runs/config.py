@@ -698,6 +698,9 @@ def apply_overrides(document: dict, overrides: list[str]) -> dict:
         parts = key.strip().split(".")
         for part in parts[:-1]:
             child = node.setdefault(part, {})
+            if isinstance(child, list):
+                raise ConfigError(f"override {item!r}: {part!r} is a list, set as a whole, e.g. "
+                                  f"{part}=[{{name: fedbn, lr: 0.05}}] for methods")
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
             node = child
