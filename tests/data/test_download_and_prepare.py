@@ -387,3 +387,25 @@ def test_missing_prepared_file_says_how_to_make_it(tmp_path):
     with pytest.raises(DataError, match="fednorm data prepare synthdigits") as info:
         load_pool("synthdigits", data_dir=tmp_path)
     assert str(tmp_path / "digits/synthdigits.npz") in str(info.value)
+
+
+def test_concurrent_prepares_keep_every_manifest_entry(tmp_path):
+    """Two `fednorm data prepare` runs on one folder each add their entry: the manifest's read-modify-write is
+    locked, so none is lost (threads here; processes take the same OS lock)."""
+    import threading
+
+    arrays = {"x_train": np.zeros((1, 2, 2, 3), np.uint8), "y_train": np.zeros(1, np.uint8)}
+    names = [f"set{i}" for i in range(8)]
+    start = threading.Barrier(len(names))
+
+    def write(name):
+        start.wait()
+        prepare.write_dataset_file(tmp_path, f"{name}/{name}.npz", arrays, key=name, source="test")
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert sorted(manifest) == names and all(manifest[n]["file"] == f"{n}/{n}.npz" for n in names)

@@ -119,7 +119,19 @@ _SYNTH_HINT = (
 
 
 def _update_manifest(data_dir: Path, key: str, entry: dict) -> None:
-    """Set ``manifest[key] = entry`` (dropping other entries for the same file), atomically."""
+    """Set ``manifest[key] = entry`` (dropping other entries for the same file), atomically and under a lock:
+    two ``prepare`` processes on one folder (two datasets at once) each add their entry, none is lost."""
+    import fcntl
+
+    with open(data_dir / (MANIFEST_NAME + ".lock"), "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # waits for the other writer: a read-modify-write of one file
+        try:
+            _update_manifest_locked(data_dir, key, entry)
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def _update_manifest_locked(data_dir: Path, key: str, entry: dict) -> None:
     path = data_dir / MANIFEST_NAME
     manifest: dict = {}
     if path.is_file():
@@ -134,7 +146,7 @@ def _update_manifest(data_dir: Path, key: str, entry: dict) -> None:
     manifest = {k: v for k, v in manifest.items()
                 if not (isinstance(v, dict) and v.get("file") == entry["file"])}
     manifest[key] = entry
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     os.replace(tmp, path)
 
