@@ -160,6 +160,22 @@ def image_to_array(image, size: int) -> np.ndarray:
     return np.asarray(image, dtype=np.uint8)
 
 
+def load_fedbn_pair(data: bytes, what: str, pair: str) -> tuple:
+    """A pickled pair as FedBN reads its files (``np.load(..., allow_pickle=True)``, then unpacked): a pickled
+    tuple or list, a pickled 2 x N array, or an ``.npy`` file under a ``.pkl`` name. Pickle can run code: only
+    read files from a source you trust."""
+    try:
+        obj = np.load(io.BytesIO(data), allow_pickle=True)
+    except Exception as exc:  # noqa: BLE001 - unpickling can raise almost anything
+        raise DataError(f"Cannot unpickle {what} ({type(exc).__name__}: {exc}). Get FedBN's files again.") from exc
+    if isinstance(obj, np.ndarray) and obj.dtype == object and obj.ndim == 0:
+        obj = obj.item()  # a pickled tuple saved through np.save
+    if not isinstance(obj, (tuple, list, np.ndarray)) or len(obj) != 2:
+        raise DataError(f"{what[0].upper()}{what[1:]} must hold a pickled pair {pair} as FedBN writes it, got "
+                        f"{type(obj).__name__}.")
+    return obj[0], obj[1]
+
+
 class RawImages:
     """Images and FedBN list files found under a folder: loose files and members of any ``.zip``.
 
@@ -270,17 +286,8 @@ class RawImages:
         ``.pkl`` name. Pickle can run code: only read lists from a source you trust.
         """
         ref = self.lists[name]
-        try:
-            with self._open(ref) as fh:
-                obj = np.load(io.BytesIO(fh.read()), allow_pickle=True)
-        except Exception as exc:  # noqa: BLE001 - unpickling can raise almost anything
-            raise DataError(f"Cannot unpickle the FedBN list {self.where(ref)} ({type(exc).__name__}: {exc}). "
-                            "Get FedBN's data archive again.") from exc
-        if isinstance(obj, np.ndarray) and obj.dtype == object and obj.ndim == 0:
-            obj = obj.item()  # a pickled tuple saved through np.save
-        if not isinstance(obj, (tuple, list, np.ndarray)) or len(obj) != 2:
-            raise DataError(f"The FedBN list {self.where(ref)} must hold a pickled pair (paths, labels), got "
-                            f"{type(obj).__name__}.")
+        with self._open(ref) as fh:
+            obj = load_fedbn_pair(fh.read(), f"the FedBN list {self.where(ref)}", "(paths, labels)")
         paths, labels = [str(p) for p in np.asarray(obj[0]).reshape(-1)], [str(t) for t in np.asarray(obj[1]).reshape(-1)]
         if len(paths) != len(labels):
             raise DataError(f"The FedBN list {self.where(ref)} has {len(paths)} paths but {len(labels)} labels.")

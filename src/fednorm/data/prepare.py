@@ -40,7 +40,8 @@ from .cifar10 import CIFAR10_CLASSES, CIFAR10_FILE
 from .datafolder import MANIFEST_NAME
 from .digits import FEDBN_PRESPLIT_KEY, REAL_DIGIT_DOMAINS
 from .domain import DataError
-from .objects import DEFAULT_SIZE, DOMAINNET, OFFICE_CALTECH10, ObjectDataset, RawImages, check_size
+from .objects import (DEFAULT_SIZE, DOMAINNET, OFFICE_CALTECH10, ObjectDataset, RawImages, check_size,
+                      load_fedbn_pair)
 from .download import download as _download
 from .download import sha256_of, verify_file
 
@@ -282,16 +283,8 @@ def _read_pickle_pair(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if not path.is_file():
         raise DataError(f"The FedBN partition file {path} is missing. Point --fedbn-dir at FedBN's "
                         "data/<Dataset> folder holding partitions/train_part0..9.pkl and test.pkl.")
-    try:
-        with path.open("rb") as fh:
-            obj = pickle.load(fh)  # FedBN wrote these with pickle.dump; only load trusted files
-    except Exception as exc:  # noqa: BLE001 - unpickling can raise almost anything
-        raise DataError(f"Cannot unpickle {path} ({type(exc).__name__}: {exc}). Get FedBN's "
-                        "files again.") from exc
-    if not isinstance(obj, (tuple, list)) or len(obj) != 2:
-        raise DataError(f"{path} must hold a pickled pair (images, labels) as FedBN writes it, got "
-                        f"{type(obj).__name__}.")
-    x, y = np.asarray(obj[0]), np.asarray(obj[1])
+    x, y = load_fedbn_pair(path.read_bytes(), str(path), "(images, labels)")  # only load trusted files
+    x, y = np.asarray(x), np.asarray(y)
     if x.dtype != np.uint8 or x.ndim != 4 or x.shape[-1] != 3 or x.shape[1] != x.shape[2]:
         raise DataError(f"{path}: images must be uint8 (N, H, W, 3), got {x.dtype} {x.shape}.")
     y = y.reshape(-1)
