@@ -183,6 +183,18 @@ def test_report_selected_without_validation_data_is_an_error_not_a_table_of_dash
     assert "| fedbn | 1 | 70.00 | 70.00 |" in mixed.output
 
 
+def test_best_reads_older_summaries_round_from_their_metrics(tmp_path):
+    """A summary written before --best meant one round lacks best_mean_acc: the round with the best mean test
+    score is read from the cell's metrics.jsonl (client a peaks in round 1, the mean in round 2)."""
+    _summary(tmp_path / "run", "fedbn", 0, {"a": 0.8, "b": 0.7})
+    records = [{"round": rnd, "client": c, "split": "test", "acc": acc, "loss": 0.1, "n": 5}
+               for rnd, c, acc in ((1, "a", 0.9), (1, "b", 0.5), (2, "a", 0.8), (2, "b", 0.7))]
+    (tmp_path / "run" / "fedbn" / "seed0" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    best = runner.invoke(app, ["report", str(tmp_path / "run"), "--best", "--markdown"], terminal_width=400)
+    assert best.exit_code == 0, best.output
+    assert "| fedbn | 1 | 80.00 | 70.00 | 75.00 |" in best.output
+
+
 def test_wide_tables_are_never_wrapped_or_cut(tmp_path):
     domains = {f"corrupt/gaussian_noise/{k}/rendered/domain-number-{k}": 0.5 + k / 100 for k in range(15)}
     _summary(tmp_path / "run", "fedbn", 0, domains)

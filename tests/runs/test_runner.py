@@ -409,7 +409,7 @@ def test_a_diverged_cell_stops_the_run_or_is_recorded_and_the_grid_goes_on(tmp_p
     assert "diverged" not in good.summary and good.summary["rounds"] == 4
     text = (tmp_path / "run" / "results.md").read_text()
     assert f"| fedavg-lr1e9{DIVERGED} |" in text
-    assert f"fedavg-lr1e9 seed 0 in round {at}" in text and "the last finite model's" in text
+    assert f"fedavg-lr1e9 seed 0 in round {at}" in text and "the server's model before that round" in text
     # a resume keeps the recorded outcome instead of retraining into the same NaN
     assert resume_run(tmp_path / "run")[0].summary["diverged"] == bad.summary["diverged"]
 

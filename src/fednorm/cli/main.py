@@ -136,7 +136,7 @@ def resume(
                                          "finished cells go on from their last checkpoint (a shortened run "
                                          "grows towards the paper's protocol)"),
     on_divergence: Optional[str] = typer.Option(None, "--on-divergence", help="stop or record: what a NaN/inf "
-                                                "loss does from here on (record: a run stopped by a diverged cell "
+                                                "loss, update or evaluation loss does from here on (record: a run stopped by a diverged cell "
                                                 "marks it diverged and goes on with the next cells)"),
 ) -> None:
     """Continue a stopped run from its last checkpoints; the results equal an uninterrupted run (on another
@@ -175,7 +175,7 @@ def report(
     finished cell (a run still going, e.g. matched by a glob) are skipped with a warning; duplicates, rows that
     mix settings and unfinished cells are named (see fednorm.runs.report.collect_runs)."""
     try:
-        found = collect_runs(run_dirs, split_by)
+        found = collect_runs(run_dirs, split_by, best_from_metrics=best)
     except (RunError, ConfigError, CorruptFileError) as exc:
         _fail(exc)
     if not found.summaries:
@@ -190,7 +190,7 @@ def report(
         cells = ", ".join(f"{m} seed {seed}" for m, seed in table.lacking[:6]) + (", ..." if len(table.lacking) > 6
                                                                                    else "")
         need = ("validation data (set data.val_fraction, or a dataset with a validation split)" if selected else
-                "a summary written by this version (`fednorm resume RUN` rewrites it)")
+                "the cell's metrics.jsonl (the round with the best mean test score is read from it)")
         if not table.rows:
             _fail(RunError(f"no cell has {metric} ({cells}): --{'selected' if selected else 'best'} needs {need}"))
         found.notes.append(f"left out, no {metric}: {cells} (--{'selected' if selected else 'best'} needs {need})")

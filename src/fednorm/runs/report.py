@@ -97,8 +97,10 @@ class ResultsTable:
         if self.diverged:
             cells = "; ".join(f"{m} seed {seed} in round {rnd}" for m, where in self.diverged.items()
                               for seed, rnd in where)
-            notes.append(f"{DIVERGED} training diverged (NaN/inf loss, update or model output), the cell stopped there "
-                         f"and its numbers are the last finite model's (the server's model before that round): {cells}")
+            notes.append(f"{DIVERGED} training diverged, the cell stopped there: {cells}. Its numbers are, for a NaN/inf "
+                         "loss or update in training, the server's model before that round, evaluated then; for a "
+                         "NaN/inf evaluation loss (finite weights, overflowing outputs), its last finite evaluation "
+                         "(at most eval_every rounds earlier)")
         return "\n\n".join(notes)
 
     def markdown(self) -> str:
@@ -242,7 +244,24 @@ def _scores(summary: dict) -> list:
     return [(c["name"], c.get("test")) for c in summary["clients"]]
 
 
-def collect_runs(run_dirs: list[Path], split_by: str | None = None) -> Collected:
+def with_best_mean(summary: dict, cell: Path) -> dict:
+    """``summary`` with each client's ``best_mean_acc`` (report --best) read from the cell's metrics.jsonl when
+    it lacks them (summaries written before --best meant one round for every client)."""
+    clients = summary["clients"]
+    if all("best_mean_acc" in c.get("test", {}) for c in clients if "test" in c):
+        return summary
+    from .runner import scores_at_best_mean_round
+
+    records = store.read_metrics(cell / store.METRICS_FILE)
+    if not records:
+        return summary
+    clients = [{**c, "test": dict(c["test"])} if "test" in c else dict(c) for c in clients]
+    scores_at_best_mean_round(clients, records, "test", "best_mean",
+                             among={c["name"] for c in clients if not c.get("external")})
+    return {**summary, "clients": clients}
+
+
+def collect_runs(run_dirs: list[Path], split_by: str | None = None, best_from_metrics: bool = False) -> Collected:
     """Gather the finished cells of ``run_dirs`` for one table (``fednorm report``). Each cell is checked against
     the config of the run it belongs to (found above it, so a folder holding several runs works):
 
@@ -251,6 +270,8 @@ def collect_runs(run_dirs: list[Path], split_by: str | None = None) -> Collected
     * seeds of one row from runs with other settings or rounds are averaged together, and a note names them;
     * cells a run's config lists but that have not finished, or finished fewer rounds than it asks, are named;
     * the paper rows come from each run's config; sources that disagree on a method keep the first, noted.
+
+    ``best_from_metrics`` fills in the best-mean-round scores of older summaries (:func:`with_best_mean`).
 
     Raises :class:`~fednorm.runs.runner.RunError` for a folder that does not exist, and for ``split_by`` with a
     cell outside any run folder; :class:`~fednorm.runs.config.ConfigError` for an unknown ``split_by`` key."""
@@ -283,6 +304,8 @@ def collect_runs(run_dirs: list[Path], split_by: str | None = None) -> Collected
             out.unfinished.append(d)
             continue
         for cell, s in cells:
+            if best_from_metrics:
+                s = with_best_mean(s, cell)
             run_dir, config = run_of(cell)
             if run_dir is not None:
                 finished.setdefault(run_dir, {})[(s["method"], s["seed"])] = s.get("rounds")

@@ -279,7 +279,9 @@ def run_cell(
             diverged = {"round": this_round, "reason": str(err)}
             if evals is None:
                 # in training: the server's model is still the last finite aggregate; clients that trained before
-                # the failing one keep their (finite) new local state. Evaluated, recorded at the round that diverged.
+                # the failing one keep their (finite) new local state. Evaluated, recorded at the round that
+                # diverged, marked diverged: even when its outputs are not finite (then its scores are chance-level
+                # argmaxes of NaN), so that the cell has numbers and the table's footnote says what they are
                 evals = engine.evaluate()
                 store.append_metrics(metrics_path, [
                     {"round": this_round, "client": e.client, "split": e.split, "acc": e.accuracy, "loss": e.loss,
@@ -355,7 +357,7 @@ def external_entries(external: list[ClientData], modes) -> list[ClientData]:
             for c in external for mode in modes]
 
 
-def _test_at_best_mean_round(per_client: list[dict], records: list[dict], split: str, prefix: str,
+def scores_at_best_mean_round(per_client: list[dict], records: list[dict], split: str, prefix: str,
                              among: set[str] | None = None) -> None:
     """Record in each client's test entry ``<prefix>_acc`` and ``<prefix>_round``: its test score at the round
     whose mean ``split`` score over the clients (``among``, else all that have one) is best (earliest on ties)."""
@@ -391,10 +393,10 @@ def summarize_cell(records: list[dict], clients: list[ClientData], label: str, s
         per_client.append(entry)
     # model selection (UniFed: "the model is selected based on the highest validation accuracy"): the round
     # with the best mean validation accuracy over the clients that have one; every client's test score there
-    _test_at_best_mean_round(per_client, records, "val", "selected")
+    scores_at_best_mean_round(per_client, records, "val", "selected")
     # report --best: the round with the best mean test score over the internal clients, one model for every
     # client (the per-client best_acc above may come from different rounds: no model scores them all)
-    _test_at_best_mean_round(per_client, records, "test", "best_mean",
+    scores_at_best_mean_round(per_client, records, "test", "best_mean",
                              among={e["name"] for e in per_client if not e.get("external")})
     finals = [e["test"]["final_acc"] for e in per_client if "test" in e and not e.get("external")]
     metric = next((r["metric"] for r in records if "metric" in r), "accuracy")
