@@ -1,8 +1,8 @@
 """Resumable, checksum-verified download of one official dataset file.
 
 :func:`download` streams a URL into ``dest.part`` with :mod:`urllib`, resumes an existing partial
-``.part`` with an HTTP ``Range`` request when the server honours it (and restarts from zero when it
-does not), shows a rich progress bar, checks the sha256 and/or md5 the caller knows, and only then
+``.part`` with an HTTP ``Range`` request when the server honours it (restarts from zero when it does
+not, and finishes a ``.part`` the server's 416 says is already whole), shows a rich progress bar, checks the sha256 and/or md5 the caller knows, and only then
 renames the file to ``dest`` atomically. A file at ``dest`` therefore always passed its checks. Every
 failure is a :class:`DataError` that names the URL or file and says how to fix it.
 """

@@ -13,7 +13,8 @@ it like any other file:
 * Office-Caltech10 (FedBN's ``office_caltech_10_dataset.zip``: images + train/test lists, or an
   extracted image folder) -> ``office_caltech10/<domain>_<size>.npz``;
 * DomainNet top-10 classes (the official per-domain zips + FedBN's ``domainnet_dataset.zip``
-  lists) -> ``domainnet/<domain>_<size>.npz`` (see :mod:`fednorm.data.objects`).
+  lists; without them DomainNet's own ``<domain>_train.txt`` / ``_test.txt`` kept to the ten classes,
+  without either a seeded 80/20 split) -> ``domainnet/<domain>_<size>.npz`` (see :mod:`fednorm.data.objects`).
 
 The conversions follow med-air/FedBN ``utils/data_preprocess.py`` (``process_svhn``,
 ``process_synth``): ``X`` (32, 32, 3, N) -> (N, 32, 32, 3), SVHN label 10 -> 0. The official

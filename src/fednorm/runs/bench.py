@@ -4,7 +4,7 @@ For one (method, seed) cell of an experiment config this measures:
 
 * training samples per second inside :class:`~fednorm.engines.simulation.InProcessEngine` (measured rounds
   after warm-up rounds), and the same model on the same batches in a plain PyTorch loop with no federation
-  (the reference: same optimizer, prepare, precision and memory format). Their ratio is the engine
+  (the reference: same optimizer, prepare, precision, memory format and task loss). Their ratio is the engine
   overhead; the two alternate client by client so that a change of machine load hits both alike;
 * the model's FLOPs per training sample (forward + backward, :class:`torch.utils.flop_counter.FlopCounterMode`:
   matmuls and convolutions only, as is usual), the GFLOP/s this achieves and its share of the machine's

@@ -3,7 +3,9 @@
 Each (method, seed) cell writes its metrics line by line and a checkpoint after every
 ``checkpoint_every`` rounds. A stopped run (Ctrl-C, kill -9, a crash) resumes from the last
 checkpoint and ends with exactly the numbers of an uninterrupted run, because every random stream
-is derived from (seed, round, client) rather than from the order of execution.
+is derived from (seed, round, client) rather than from the order of execution. A run folder is locked while a
+process runs or resumes it (:func:`run_lock`), and a new run builds every method's engine before it writes the
+folder (:func:`preflight`).
 """
 
 from __future__ import annotations

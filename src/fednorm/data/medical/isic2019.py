@@ -18,7 +18,8 @@ corrected float image to uint8 without clipping (values above 255 wrap around); 
 clipped to 255. The JPEG re-encoding (PIL's default quality) is kept so the pixels match FLamby's.
 
 Fixed size: the in-memory path needs one size, so each preprocessed image is centre-cropped to
-``size`` x ``size`` (default 224, the full short side). FLamby trains on ``RandomCrop(200)`` after
+``size`` x ``size`` (default 224, the full short side; an image whose short side FLamby's ``int()``
+resize left at 223 is first rescaled 0.4 % to 224, a larger shortfall is refused). FLamby trains on ``RandomCrop(200)`` after
 scale/rotate/flip/affine/colour/cut-out augmentations and tests on ``CenterCrop(200)``; a training
 loop can take its 200 x 200 crops from the stored 224 x 224 (FedWon: "FLamby data augmentations"
 and a weighted focal loss). FLamby has no validation split; :func:`load_fed_isic2019` can carve
