@@ -167,6 +167,8 @@ def test_report_names_unfinished_cells_and_survives_a_damaged_config(tmp_path):
     partial = runner.invoke(app, ["report", str(out), "--markdown"], terminal_width=400)
     assert partial.exit_code == 0, partial.output
     assert "1 of its 2 cells have not finished (fedbn seed 0)" in " ".join(partial.output.split())
+    one_cell = runner.invoke(app, ["report", str(out / "fedavg" / "seed0"), "--markdown"], terminal_width=400)
+    assert one_cell.exit_code == 0 and "have not finished" not in one_cell.output  # the others were not asked for
     (out / "config.yaml").write_text("")
     damaged = runner.invoke(app, ["report", str(out), "--markdown"], terminal_width=400)
     assert damaged.exit_code == 0, damaged.output

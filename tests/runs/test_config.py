@@ -70,6 +70,11 @@ def test_missing_config_file_and_unknown_preset(tmp_path):
     twice.write_text("federation:\n  rounds: 50\nseeds: [0]\nfederation:\n  fraction: 0.5\n")
     with pytest.raises(ConfigError, match="the key 'federation' is given twice"):
         load_config(str(twice))
+    # a YAML merge key is not a repetition: the mapping's own keys override the merged ones
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("training: {<<: {lr: 0.1, momentum: 0.5}, lr: 0.01}\n")
+    cfg = load_config(str(merged))
+    assert (cfg.training.lr, cfg.training.momentum) == (0.01, 0.5)
 
 
 def test_fedwon_methods_and_cross_device_validate():

@@ -414,6 +414,30 @@ def test_a_diverged_cell_stops_the_run_or_is_recorded_and_the_grid_goes_on(tmp_p
     assert resume_run(tmp_path / "run")[0].summary["diverged"] == bad.summary["diverged"]
 
 
+def test_a_filesystem_without_locks_runs_unlocked_with_a_warning(tmp_path, monkeypatch):
+    """NFS without lockd answers flock with ENOLCK: that is not 'another process holds it'."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.warns(UserWarning, match="cannot lock the run folder"):
+        [result] = start_run(tiny_config("methods=[fedbn]", "federation.rounds=1"), tmp_path / "run")
+    assert result.summary["rounds"] == 1
+
+
+def test_run_files_are_readable_as_any_file_written_here(tmp_path):
+    """Atomic writes go through mkstemp (mode 0600): the files get the umask's mode, as results.md does."""
+    start_run(tiny_config("methods=[fedbn]", "federation.rounds=1"), tmp_path / "run")
+    mask = store._UMASK
+    assert (tmp_path / "run" / "results.md").stat().st_mode & 0o777 == 0o666 & ~mask
+    for name in ("config.yaml", "run.json", "fedbn/seed0/summary.json", "fedbn/seed0/metrics.jsonl",
+                 "fedbn/seed0/checkpoint.pt"):
+        assert (tmp_path / "run" / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
+
+
 def test_a_checkpoint_of_another_model_is_named_on_resume(tmp_path):
     cfg = tiny_config("methods=[fedbn]")
     with pytest.raises(Stop):
@@ -454,6 +478,13 @@ def test_finite_weights_with_non_finite_outputs_are_a_divergence_not_a_result(tm
     assert all(math.isfinite(r["loss"]) for r in records)
     finals = [c["test"]["final_acc"] for c in bad.summary["clients"]]
     assert finals == [r["acc"] for r in records if r["split"] == "test" and r["round"] == 1]
+    # diverging at its first evaluation, a cell keeps that evaluation, marked diverged, and the table its row
+    [first] = start_run(tiny_config(methods, "federation.rounds=2", "federation.on_divergence=record"),
+                        tmp_path / "first")
+    records = store.read_metrics(tmp_path / "first" / "fedavg-lr1e3" / "seed0" / "metrics.jsonl")
+    assert {r["round"] for r in records if r["split"] == "test"} == {2}
+    assert all(r["diverged"] for r in records if r["split"] == "test")
+    assert "| fedavg-lr1e3‡ | 1 |" in (tmp_path / "first" / "results.md").read_text()
 
 
 @pytest.mark.parametrize("setting, precision, expected", [("auto", "fp32", False), ("auto", "bf16", True),

@@ -189,11 +189,12 @@ def report(
     if table.lacking:
         cells = ", ".join(f"{m} seed {seed}" for m, seed in table.lacking[:6]) + (", ..." if len(table.lacking) > 6
                                                                                    else "")
-        need = ("validation data (set data.val_fraction, or a dataset with a validation split)" if selected else
-                "the cell's metrics.jsonl (the round with the best mean test score is read from it)")
+        why = ("--selected needs validation data (set data.val_fraction, or a dataset with a validation split)"
+               if selected else "--best reads the round with the best mean test score from the cell's metrics.jsonl"
+               if best else "the cell has no test evaluation")
         if not table.rows:
-            _fail(RunError(f"no cell has {metric} ({cells}): --{'selected' if selected else 'best'} needs {need}"))
-        found.notes.append(f"left out, no {metric}: {cells} (--{'selected' if selected else 'best'} needs {need})")
+            _fail(RunError(f"no cell has {metric} ({cells}): {why}"))
+        found.notes.append(f"left out, no {metric}: {cells} ({why})")
     for note in found.notes:
         err_console.print(f"[yellow]{note}[/yellow]", soft_wrap=True, highlight=False)
     which = "validation-selected" if selected else "best round" if best else "final"

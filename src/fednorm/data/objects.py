@@ -286,8 +286,13 @@ class RawImages:
         ``.pkl`` name. Pickle can run code: only read lists from a source you trust.
         """
         ref = self.lists[name]
-        with self._open(ref) as fh:
-            obj = load_fedbn_pair(fh.read(), f"the FedBN list {self.where(ref)}", "(paths, labels)")
+        try:
+            with self._open(ref) as fh:
+                data = fh.read()
+        except (OSError, zipfile.BadZipFile, EOFError) as exc:
+            raise DataError(f"Cannot read the FedBN list {self.where(ref)} ({exc}). Get FedBN's data archive "
+                            "again.") from exc
+        obj = load_fedbn_pair(data, f"the FedBN list {self.where(ref)}", "(paths, labels)")
         paths, labels = [str(p) for p in np.asarray(obj[0]).reshape(-1)], [str(t) for t in np.asarray(obj[1]).reshape(-1)]
         if len(paths) != len(labels):
             raise DataError(f"The FedBN list {self.where(ref)} has {len(paths)} paths but {len(labels)} labels.")

@@ -284,7 +284,11 @@ def _read_pickle_pair(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if not path.is_file():
         raise DataError(f"The FedBN partition file {path} is missing. Point --fedbn-dir at FedBN's "
                         "data/<Dataset> folder holding partitions/train_part0..9.pkl and test.pkl.")
-    x, y = load_fedbn_pair(path.read_bytes(), str(path), "(images, labels)")  # only load trusted files
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"Cannot read {path} ({exc}). Get FedBN's files again.") from exc
+    x, y = load_fedbn_pair(data, str(path), "(images, labels)")  # only load trusted files
     x, y = np.asarray(x), np.asarray(y)
     if x.dtype != np.uint8 or x.ndim != 4 or x.shape[-1] != 3 or x.shape[1] != x.shape[2]:
         raise DataError(f"{path}: images must be uint8 (N, H, W, 3), got {x.dtype} {x.shape}.")

@@ -651,8 +651,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # <<: *anchor, whose keys the mapping's own override
+                continue
             key = self.construct_object(key_node, deep=deep)
-            if key in seen:
+            try:
+                repeated = key in seen
+            except TypeError:  # an unhashable key: let the safe loader say so
+                break
+            if repeated:
                 raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
                                                         key_node.start_mark)
             seen.add(key)
@@ -699,8 +705,8 @@ def apply_overrides(document: dict, overrides: list[str]) -> dict:
         for part in parts[:-1]:
             child = node.setdefault(part, {})
             if isinstance(child, list):
-                raise ConfigError(f"override {item!r}: {part!r} is a list, set as a whole, e.g. "
-                                  f"{part}=[{{name: fedbn, lr: 0.05}}] for methods")
+                example = "methods=[{name: fedbn, lr: 0.05}]" if part == "methods" else f"{key.rsplit('.', 1)[0]}=[...]"
+                raise ConfigError(f"override {item!r}: {part!r} is a list, set as a whole, e.g. {example}")
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
             node = child

@@ -261,6 +261,16 @@ def with_best_mean(summary: dict, cell: Path) -> dict:
     return {**summary, "clients": clients}
 
 
+def _split_hint(differ: list[str], config) -> str:
+    """How to give two runs that differ their own rows: ``--split-by`` a config key that differs, or labels."""
+    keys = ["federation.rounds" if k.startswith("rounds (") else k for k in differ]
+    flat = flat_config(config) if config is not None else {}
+    key = next((k for k in keys if k in flat), None)
+    if key is not None:
+        return f"`--split-by {key}` gives each its own row"
+    return "give the methods distinct labels (methods=[{name: ..., label: ...}]) to see both"
+
+
 def collect_runs(run_dirs: list[Path], split_by: str | None = None, best_from_metrics: bool = False) -> Collected:
     """Gather the finished cells of ``run_dirs`` for one table (``fednorm report``). Each cell is checked against
     the config of the run it belongs to (found above it, so a folder holding several runs works):
@@ -327,8 +337,7 @@ def collect_runs(run_dirs: list[Path], split_by: str | None = None, best_from_me
                 if first.get("rounds") != s.get("rounds"):
                     differ = [f"rounds ({first.get('rounds')} and {s.get('rounds')})"] + \
                              [k for k in differ if k != "federation.rounds"]
-                why = (f"their settings differ in {', '.join(differ)}: `--split-by {differ[0].split(' ')[0]}` gives "
-                       "each its own row" if differ else
+                why = (f"their settings differ in {', '.join(differ)}: {_split_hint(differ, config)}" if differ else
                        "same settings, same numbers" if _scores(first) == _scores(s) else
                        "same settings but other numbers (another engine, machine or code version): report them "
                        "one at a time to compare")
@@ -365,7 +374,11 @@ def collect_runs(run_dirs: list[Path], split_by: str | None = None, best_from_me
                 out.paper.setdefault(row, dict(values))
         if numbers and source and source not in out.paper_sources:
             out.paper_sources.append(source)
-        expected = [(m.display, seed) for m in config.methods for seed in config.seeds]
+        # only the cells under the folders given: reporting one cell of a run does not make the others unfinished
+        given = [Path(d).resolve() for d in run_dirs]
+        expected = [(m.display, seed) for m in config.methods for seed in config.seeds
+                    if any(g == c or g in c.parents for c in [store.cell_dir(run_dir, m.display, seed).resolve()]
+                           for g in given)]
         missing = [f"{label} seed {seed}" for label, seed in expected if (label, seed) not in done]
         short = [f"{label} seed {seed} ({r} rounds)" for (label, seed), r in done.items()
                  if r is not None and r < config.federation.rounds]

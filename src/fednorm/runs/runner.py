@@ -16,6 +16,7 @@ import math
 import os
 import socket
 import uuid
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -289,7 +290,11 @@ def run_cell(
                     {"round": this_round, "client": e.client, "split": e.split, "acc": e.accuracy, "loss": e.loss,
                      "n": e.num_examples, "metric": e.metric, "diverged": True} for e in evals])
             # in evaluation (finite weights, non-finite outputs): nothing of the round is recorded, the cell's
-            # numbers are its last finite evaluation
+            # numbers are its last finite evaluation; a cell that has none keeps this round's, marked diverged
+            elif not any(r["split"] == "test" for r in store.read_metrics(metrics_path)):
+                store.append_metrics(metrics_path, [
+                    {"round": this_round, "client": e.client, "split": e.split, "acc": e.accuracy, "loss": e.loss,
+                     "n": e.num_examples, "metric": e.metric, "diverged": True} for e in evals])
             if progress:
                 progress(label, seed, rounds, rounds, {"diverged": this_round})
             break
@@ -472,12 +477,15 @@ def run_lock(run_dir: Path):
     fh = open(path, "a+")
     try:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:
         fh.seek(0)
         holder = fh.read().strip() or "another process"
         fh.close()
         raise RunError(f"{run_dir} is being run by {holder}; wait for it to end (or stop it) before resuming "
                        "this folder") from None
+    except OSError as exc:  # a filesystem without locks (NFS without lockd, some FUSE mounts): run unlocked
+        warnings.warn(f"{run_dir}: cannot lock the run folder ({exc}); nothing stops a second process from "
+                      "resuming it at the same time", stacklevel=3)
     try:
         fh.seek(0)
         fh.truncate()
@@ -485,7 +493,10 @@ def run_lock(run_dir: Path):
         fh.flush()
         yield
     finally:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+        except OSError:
+            pass
         fh.close()
 
 
@@ -654,7 +665,9 @@ def extend_rounds(run_dir: Path, config: ExperimentConfig, rounds: int) -> Exper
     for method_cfg in config.methods:
         for seed in config.seeds:
             cell = store.cell_dir(run_dir, method_cfg.display, seed)
-            if (cell / store.SUMMARY_FILE).exists() and not (cell / store.CHECKPOINT_FILE).exists():
+            summary = cell / store.SUMMARY_FILE
+            if summary.exists() and not (cell / store.CHECKPOINT_FILE).exists() \
+                    and "diverged" not in json.loads(summary.read_text()):  # a diverged cell keeps its outcome
                 raise RunError(f"{cell} finished at round {old} but its {store.CHECKPOINT_FILE} is gone, so it cannot "
                                f"go on to round {rounds}; start a new run")
     extended = config.model_copy(update={"federation": config.federation.model_copy(update={"rounds": rounds})})

@@ -35,10 +35,15 @@ def cell_dir(run_dir: Path, label: str, seed: int) -> Path:
     return Path(run_dir) / label / f"seed{seed}"
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)  # read once: os.umask can only be read by setting it
+
+
 def atomic_write_bytes(path: Path, write) -> None:
     """Write through a temporary file and rename, so a kill leaves the old or the new file, never half."""
     # a name of its own per write: two processes writing one file never rename each other's half-written file
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; run files are read by others as any file written here
     try:
         with os.fdopen(fd, "wb") as fh:
             write(fh)

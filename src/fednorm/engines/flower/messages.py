@@ -158,7 +158,7 @@ def decode_reply(content: RecordDict, client: str, weight: float
         raise UpdateError(f"{who} reported a non-finite training loss ({loss_sum}): its local training diverged")
     counts_record = content.metric_records.get(BN_COUNTS)
     counts = {} if counts_record is None else dict(counts_record)
-    if any(not isinstance(v, int) for v in counts.values()):
+    if any(not _count(v) for v in counts.values()):
         raise UpdateError(f"{who} sent non-integer FBN batch sizes {counts}")
     drift = metrics.get("drift")
     if drift is not None and not (isinstance(drift, float) and math.isfinite(drift) and drift >= 0):
