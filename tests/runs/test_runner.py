@@ -134,13 +134,14 @@ def test_a_folder_being_run_refuses_a_second_resume_and_frees_when_done(tmp_path
         with pytest.raises(RunError, match=f"is being run by process {os.getpid()}"):
             resume_run(tmp_path / "run")
     assert (cell / "metrics.jsonl").read_text() == before
+    (cell / "checkpoint.pt.k3j9x2.tmp").write_bytes(b"half a checkpoint")  # a write killed before its rename
     (tmp_path / "new").mkdir()
     with run_lock(tmp_path / "new"):  # another process is starting a run in this folder
         with pytest.raises(RunError, match="is being run by"):
             start_run(cfg, tmp_path / "new")
     assert not (tmp_path / "new" / "config.yaml").exists()
     assert resume_run(tmp_path / "run")[0].summary["rounds"] == cfg.federation.rounds
-    assert not list((tmp_path / "run").rglob("*.tmp"))  # atomic writes leave no temporary files
+    assert not list((tmp_path / "run").rglob("*.tmp"))  # none left by atomic writes, and a killed write's leftover is removed
 
 
 def test_same_seed_same_numbers_and_seeds_differ(tmp_path):

@@ -247,6 +247,8 @@ def run_cell(
     """Train one (method, seed) cell to the end, resuming from its checkpoint if there is one.
     ``build`` makes the cell's engine (default :func:`build_engine`, in this process)."""
     cell.mkdir(parents=True, exist_ok=True)
+    for leftover in cell.glob("*.tmp"):  # a write killed before its rename (the run folder is locked: none live)
+        leftover.unlink(missing_ok=True)
     metrics_path, checkpoint_path = cell / store.METRICS_FILE, cell / store.CHECKPOINT_FILE
     engine = (build or build_engine)(config, method_cfg, seed, clients)
     if checkpoint_path.exists():
