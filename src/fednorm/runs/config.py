@@ -37,6 +37,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _images_of(domain: str) -> str:
+    """A domain without its prepared size: ``office_caltech10/amazon`` and ``...amazon@256`` are the same images."""
+    return domain.split("@")[0]
+
+
 class DataConfig(_Strict):
     domains: list[str] = Field(
         default_factory=lambda: ["rendered/print", "rendered/neon", "rendered/synth", "rendered/street"],
@@ -85,7 +90,7 @@ class DataConfig(_Strict):
     def _known(cls, value: list[str]) -> list[str]:
         for d in value:
             check_domain(d)
-        bases = [d.split("@")[0] for d in value]  # amazon and amazon@64: the same images
+        bases = [_images_of(d) for d in value]
         if len(set(bases)) != len(bases):
             raise ValueError("domains must be distinct (a domain at two prepared sizes is one domain)")
         return value
@@ -493,8 +498,7 @@ class ExperimentConfig(_Strict):
         external = self.external.domains
         if not external:
             return
-        base = lambda d: d.split("@")[0]  # noqa: E731 - the same images at another prepared size
-        overlap = sorted({base(d) for d in self.data.domains} & {base(d) for d in external})
+        overlap = sorted({_images_of(d) for d in self.data.domains} & {_images_of(d) for d in external})
         if overlap:
             raise ValueError(f"external.domains: {', '.join(overlap)} also train in data.domains; an external client "
                              "is a domain the federation never trained on (UniFed Sec. 4.1)")

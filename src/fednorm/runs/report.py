@@ -261,6 +261,11 @@ def with_best_mean(summary: dict, cell: Path) -> dict:
     return {**summary, "clients": clients}
 
 
+def _under_any(path: Path, folders: list[Path]) -> bool:
+    """Whether ``path`` is one of ``folders`` or inside one."""
+    return any(f == path or f in path.parents for f in folders)
+
+
 def _split_hint(differ: list[str], config) -> str:
     """How to give two runs that differ their own rows: ``--split-by`` a config key that differs, or labels."""
     keys = ["federation.rounds" if k.startswith("rounds (") else k for k in differ]
@@ -377,8 +382,7 @@ def collect_runs(run_dirs: list[Path], split_by: str | None = None, best_from_me
         # only the cells under the folders given: reporting one cell of a run does not make the others unfinished
         given = [Path(d).resolve() for d in run_dirs]
         expected = [(m.display, seed) for m in config.methods for seed in config.seeds
-                    if any(g == c or g in c.parents for c in [store.cell_dir(run_dir, m.display, seed).resolve()]
-                           for g in given)]
+                    if _under_any(store.cell_dir(run_dir, m.display, seed).resolve(), given)]
         missing = [f"{label} seed {seed}" for label, seed in expected if (label, seed) not in done]
         short = [f"{label} seed {seed} ({r} rounds)" for (label, seed), r in done.items()
                  if r is not None and r < config.federation.rounds]
