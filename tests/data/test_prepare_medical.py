@@ -66,7 +66,10 @@ def test_preparer_for_names_the_command_of_every_prepared_domain():
     assert preparer_for("corrupt/fog/3/domainnet/real") == "domainnet"
     for offline in ("mnist", "mnistm", "usps", "semeion", "pacs/photo", "rendered/neon", "corrupt/fog/1/mnistm"):
         assert preparer_for(offline) is None
-    assert {preparer_for(d) for d in known_domains()} - {None} == set(PREPARERS)
+    # known_domains() lists concrete names; CIFAR-10-C's 95 (corruption, severity) names are a pattern beside them
+    from fednorm.data.cifar10c import cifar10c_domains
+
+    assert {preparer_for(d) for d in known_domains() + cifar10c_domains(3)} - {None} == set(PREPARERS)
 
 
 def test_options_that_do_not_apply_are_refused():

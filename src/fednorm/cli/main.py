@@ -271,6 +271,9 @@ def data_list(
         name = preparer_for(domain)
         t.add_row(domain, rel, "yes" if (folder / rel).is_file() else "no",
                   f"fednorm data prepare {name}" if name else "the offline copy (docs/datasets.md)")
+    cifar10c = sorted((folder / "cifar10c").glob("*.npz")) if (folder / "cifar10c").is_dir() else []
+    t.add_row("cifar10c/<corruption>/<severity>", "cifar10c/<corruption>.npz",
+              f"{len(cifar10c)} of 19" if cifar10c else "no", "fednorm data prepare cifar10c [--domains fog,snow]")
     t.add_row("corrupt/<corruption>/<severity>/<domain>", "(generated from the domain, cached)", "-", "its base domain")
     console.print(t)
     console.print("office_caltech10/<d>@<size>, domainnet/<d>@<size>: another prepared size (default 64); "
@@ -297,14 +300,14 @@ def data_verify(
 
 @data_app.command("prepare")
 def data_prepare(
-    dataset: str = typer.Argument(..., help="svhn, synthdigits, cifar10, office_caltech10, domainnet, camelyon17, "
+    dataset: str = typer.Argument(..., help="svhn, synthdigits, cifar10, cifar10c, office_caltech10, domainnet, camelyon17, "
                                   "prostate, nuclei, abide or fed_isic2019"),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder (else FEDNORM_DATA, else the user cache)"),
     raw_dir: Optional[str] = typer.Option(None, "--raw-dir", help="folder of the official files (default DATA_DIR/raw/DATASET)"),
     fedbn_dir: Optional[str] = typer.Option(None, "--fedbn-dir", help="svhn/synthdigits: read med-air/FedBN's partition files"),
     size: Optional[int] = typer.Option(None, "--size", help="office_caltech10/domainnet: image side (default 64; papers 256)"),
     domains: Optional[str] = typer.Option(None, "--domains", help="office_caltech10/domainnet (domains), prostate/nuclei/"
-                                          "fed_isic2019 (sites): comma-separated (default all)"),
+                                          "fed_isic2019 (sites), cifar10c (corruptions): comma-separated (default all)"),
     no_download: bool = typer.Option(False, "--no-download", help="never download; use the files in --raw-dir"),
     seeded_order: bool = typer.Option(False, "--seeded-order", help="prostate: volumes in name order and a seeded "
                                       "split, instead of HarmoFL's slice order files"),

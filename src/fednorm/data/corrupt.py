@@ -16,7 +16,8 @@ ImageNet-C code made importable), which must be installed. Choices:
 
 * Parameters are imagecorruptions' (ImageNet-C's, tuned for 224 x 224). The official CIFAR-10-C
   files were made with milder CIFAR-specific constants, so ``corrupt/*/*/cifar10/test`` is a
-  CIFAR-10-C *style* benchmark, not the released files.
+  CIFAR-10-C *style* benchmark, not the released files (those are the domains
+  ``cifar10c/<corruption>/<severity>``, :mod:`fednorm.data.cifar10c`).
 * imagecorruptions refuses images under 32 x 32. A smaller image (28 x 28 digits) is upsampled so
   its shorter side is 32 (PIL bilinear), corrupted, and downsampled back to its size (PIL
   bilinear, antialiased). Noise is therefore slightly low-passed on such images.

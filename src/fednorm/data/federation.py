@@ -11,6 +11,8 @@ Domain names (``docs/datasets.md`` has the full table):
   ``fednorm data prepare office_caltech10|domainnet``;
 * ``cifar10/train``, ``cifar10/test``: one official CIFAR-10 split as a pool (``cifar10/test`` is
   what CIFAR-10-C corrupts);
+* ``cifar10c/<corruption>/<severity>``: the released CIFAR-10-C files (:mod:`fednorm.data.cifar10c`),
+  written by ``fednorm data prepare cifar10c``;
 * ``corrupt/<corruption>/<severity>/<base domain>``: a base domain corrupted with one of the 15
   ImageNet-C corruptions (:mod:`fednorm.data.corrupt`);
 * ``<dataset>/<site>`` for the medical datasets of :data:`fednorm.data.medical.MEDICAL_DATASETS`:
@@ -44,6 +46,7 @@ PACS_PREFIX = "pacs/"
 OFFICE_PREFIX = "office_caltech10/"
 DOMAINNET_PREFIX = "domainnet/"
 CIFAR10_PREFIX = "cifar10/"
+CIFAR10C_PREFIX = "cifar10c/"
 CORRUPT_PREFIX = "corrupt/"
 CIFAR10_SPLITS = ("train", "test")
 # Rendered pools default to USPS's size (7,291 + 2,007 = 9,298), so the 80/20 split gives exactly
@@ -128,6 +131,11 @@ def parse_domain(name: str) -> DomainSpec:
         return DomainSpec(name, "pacs", len(PACS_CLASSES), PACS_SIZE, "real", file=PACS_FILE)
     if name.startswith(CIFAR10_PREFIX) and name[len(CIFAR10_PREFIX):] in CIFAR10_SPLITS:
         return DomainSpec(name, "cifar10", len(CIFAR10_CLASSES), 32, "real", file=CIFAR10_FILE)
+    if name.startswith(CIFAR10C_PREFIX):
+        from .cifar10c import cifar10c_file, parse_cifar10c_name
+
+        corruption, _ = parse_cifar10c_name(name)
+        return DomainSpec(name, "cifar10", len(CIFAR10_CLASSES), 32, "real", file=cifar10c_file(corruption))
     medical = _medical_spec(name)
     if medical is not None:
         return medical
@@ -144,8 +152,14 @@ def parse_domain(name: str) -> DomainSpec:
             return DomainSpec(name, dataset, len(ds.classes), size, "real", official_split=True,
                               file=ds.file(domain, size))
     raise ValueError(f"unknown domain {name!r}; choose from {', '.join(known_domains())}, "
-                     f"<dataset>/<domain>@<size> for office_caltech10 and domainnet, or "
+                     f"<dataset>/<domain>@<size> for office_caltech10 and domainnet, "
+                     f"cifar10c/<corruption>/<severity> (the released CIFAR-10-C), or "
                      f"corrupt/<corruption>/<severity>/<domain>")
+
+
+def name_is_cifar10c(domain: str) -> bool:
+    """True for a released CIFAR-10-C domain ``cifar10c/<corruption>/<severity>``."""
+    return domain.startswith(CIFAR10C_PREFIX)
 
 
 def is_rendered(domain: str) -> bool:
@@ -299,6 +313,10 @@ def load_domain(domain: str, *, data_dir: Path | None, rendered_size: int = DEFA
         from .pacs import load_pacs_pool
 
         return LoadedDomain(spec, pool=Split(*load_pacs_pool(domain[len(PACS_PREFIX):], data_dir)))
+    if name_is_cifar10c(domain):
+        from .cifar10c import load_cifar10c, parse_cifar10c_name
+
+        return LoadedDomain(spec, pool=Split(*load_cifar10c(*parse_cifar10c_name(domain), data_dir)))
     if spec.benchmark == "cifar10":
         from .cifar10 import load_cifar10
 

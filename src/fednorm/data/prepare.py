@@ -10,6 +10,7 @@ it like any other file:
 * SynthDigits (SynNumbers, Ganin & Lempitsky 2015) ``synth_{train,test}_32x32.mat`` ->
   ``digits/synthdigits.npz``; or the FedBN authors' preprocessed partitions (both digit sets);
 * CIFAR-10 (Krizhevsky 2009) ``cifar-10-python.tar.gz`` -> ``cifar10/cifar10.npz``;
+* CIFAR-10-C (Hendrycks & Dietterich 2019) ``CIFAR-10-C.tar`` -> ``cifar10c/<corruption>.npz``;
 * Office-Caltech10 (FedBN's ``office_caltech_10_dataset.zip``: images + train/test lists, or an
   extracted image folder) -> ``office_caltech10/<domain>_<size>.npz``;
 * DomainNet top-10 classes (the official per-domain zips + FedBN's ``domainnet_dataset.zip``
@@ -26,6 +27,7 @@ whose preparers are registered in :data:`PREPARERS` too.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -393,6 +395,91 @@ def prepare_cifar10(data_dir: Path, *, raw_dir: Path | None = None, download: bo
                               source=_describe(src, archive))
 
 
+
+# --- CIFAR-10-C (the released corruptions) ---------------------------------------------------------
+
+# Zenodo record 2535967 (v1, 9 January 2019): md5 as Zenodo lists it, sha256 as TensorFlow Datasets lists it,
+# 2,918,471,680 bytes.
+CIFAR10C_SOURCES: dict[str, RawFile] = {
+    "archive": RawFile(
+        "https://zenodo.org/records/2535967/files/CIFAR-10-C.tar?download=1", "CIFAR-10-C.tar",
+        "c72763e101c723b7c507b96205f7e938912a5d587376173b825850cf3cb876a7", "56bf5dcef84df0e2308c6dcbcbbd8499",
+    ),
+}
+
+
+def _read_npy_member(tar: tarfile.TarFile, member: str, archive: Path) -> np.ndarray:
+    try:
+        fh = tar.extractfile(member)
+    except KeyError:
+        fh = None
+    if fh is None:
+        raise DataError(f"{archive} lacks {member}. Delete it and download the release again (Zenodo record 2535967).")
+    with fh:
+        try:  # read whole (150 MB): numpy's read_array fails on tar members (they have no fileno)
+            return np.load(io.BytesIO(fh.read()), allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:
+            raise DataError(f"{archive}: {member} is not a readable .npy array ({exc}). Delete the archive and "
+                            "download it again.") from exc
+
+
+def read_cifar10c(raw: Path, corruptions: tuple[str, ...]) -> dict[str, dict[str, np.ndarray]]:
+    """The data-folder arrays (:func:`fednorm.data.cifar10c.release_arrays`) of ``corruptions`` from the release:
+    ``raw`` is ``CIFAR-10-C.tar`` (members read, never extracted) or its extracted ``CIFAR-10-C`` folder."""
+    from .cifar10c import RELEASE_FOLDER, release_arrays
+
+    raw = Path(raw)
+    if raw.is_dir():
+        def read(name: str) -> np.ndarray:
+            path = raw / f"{name}.npy"
+            if not path.is_file():
+                raise DataError(f"{path} is missing: {raw} should be the release's extracted {RELEASE_FOLDER} folder.")
+            try:
+                return np.load(path, allow_pickle=False)
+            except (ValueError, OSError, EOFError) as exc:
+                raise DataError(f"{path} is not a readable .npy array ({exc}); extract the release again.") from exc
+
+        labels = read("labels")
+        return {c: release_arrays(read(c), labels, c, str(raw)) for c in corruptions}
+    try:
+        with tarfile.open(raw, "r:") as tar:
+            labels = _read_npy_member(tar, f"{RELEASE_FOLDER}/labels.npy", raw)
+            return {c: release_arrays(_read_npy_member(tar, f"{RELEASE_FOLDER}/{c}.npy", raw), labels, c, str(raw))
+                    for c in corruptions}
+    except (tarfile.TarError, OSError) as exc:
+        raise DataError(f"Cannot read {raw} ({type(exc).__name__}: {exc}). Delete it and download the release "
+                        "again (Zenodo record 2535967).") from exc
+
+
+def prepare_cifar10c(data_dir: Path, *, raw_dir: Path | None = None, download: bool = True, progress: bool = True,
+                     corruptions: tuple[str, ...] | None = None) -> list[Path]:
+    """Write ``cifar10c/<corruption>.npz`` for ``corruptions`` (default: all 19 of the release) from
+    ``CIFAR-10-C.tar`` in ``raw_dir`` (default ``data_dir/raw/cifar10c``; downloaded from Zenodo, 2.9 GB, if
+    absent and neither it nor its extracted ``CIFAR-10-C`` folder is there). Returns the files written."""
+    from .cifar10c import CORRUPTIONS, RELEASE_FOLDER, cifar10c_file
+
+    data_dir = Path(data_dir)
+    raw_dir = Path(raw_dir) if raw_dir is not None else data_dir / "raw" / "cifar10c"
+    wanted = tuple(corruptions) if corruptions else CORRUPTIONS
+    unknown = [c for c in wanted if c not in CORRUPTIONS]
+    if unknown:
+        raise ValueError(f"unknown CIFAR-10-C corruption(s) {unknown}; choose from {', '.join(CORRUPTIONS)}")
+    src = CIFAR10C_SOURCES["archive"]
+    folder = raw_dir / RELEASE_FOLDER
+    if (folder / "labels.npy").is_file():  # already extracted (by the user): no archive needed, no digest to check
+        raw, source = folder, f"{folder} (the release's extracted folder; no digest checked)"
+    else:
+        hint = (f"Download it from {src.url} (Zenodo record 2535967) into {{raw_dir}}, or extract it there as "
+                f"{{raw_dir}}/{RELEASE_FOLDER}/, or allow downloading.")
+        raw = _fetch(src, raw_dir, download=download, progress=progress, hint=hint)
+        source = _describe(src, raw)
+    written = []
+    for corruption in wanted:  # one corruption at a time: 150 MB each, the whole release is 2.9 GB
+        arrays = read_cifar10c(raw, (corruption,))[corruption]
+        written.append(write_dataset_file(data_dir, cifar10c_file(corruption), arrays, key=f"cifar10c/{corruption}",
+                                          source=f"{corruption}.npy of {source}"))
+    return written
+
 # --- Office-Caltech10 and DomainNet (image lists) --------------------------------------------------
 
 # The FedBN authors' archives, from the Hugging Face mirror their README links (the Google Drive
@@ -608,7 +695,7 @@ def _medical_preparers() -> dict[str, Callable]:
 
 
 PREPARERS = {"svhn": prepare_svhn, "synthdigits": prepare_synthdigits, "cifar10": prepare_cifar10,
-             "office_caltech10": prepare_office_caltech10, "domainnet": prepare_domainnet,
+             "cifar10c": prepare_cifar10c, "office_caltech10": prepare_office_caltech10, "domainnet": prepare_domainnet,
              **_medical_preparers()}
 # Preparers that write one file per domain and take size= and domains=.
 OBJECT_PREPARERS = ("office_caltech10", "domainnet")
@@ -616,7 +703,9 @@ OBJECT_PREPARERS = ("office_caltech10", "domainnet")
 # the keyword each takes. Camelyon17 reads one bundle for all five hospitals, and ABIDE writes all
 # its sites into one file (whose dropped-ROI layout depends on every site): neither is limited.
 MEDICAL_SITE_OPTIONS = {"prostate": "sites", "nuclei": "clients", "fed_isic2019": "centers"}
-MEDICAL_PREPARERS = tuple(name for name in PREPARERS if name not in ("svhn", "synthdigits", "cifar10")
+# Other preparers that write one file per domain and take --domains, with their keyword: CIFAR-10-C's corruptions.
+PART_OPTIONS = {**MEDICAL_SITE_OPTIONS, "cifar10c": "corruptions"}
+MEDICAL_PREPARERS = tuple(name for name in PREPARERS if name not in ("svhn", "synthdigits", "cifar10", "cifar10c")
                           and name not in OBJECT_PREPARERS)
 
 
@@ -630,7 +719,8 @@ def preparer_for(domain: str) -> str | None:
         spec = spec.base
     if spec.file is None:
         return None
-    for name in (spec.name, spec.benchmark):
+    # the file's folder names its dataset (cifar10c/fog.npz is benchmark cifar10 but prepared by cifar10c)
+    for name in (spec.name, PurePosixPath(spec.file).parts[0], spec.benchmark):
         if name in PREPARERS:
             return name
     return None
@@ -651,7 +741,7 @@ def prepare_command(relpath: str, data_dir: Path | str) -> str | None:
         options = ("" if size == str(DEFAULT_SIZE) else f" --size {size}") + f" --domains {domain}"
     elif top in PREPARERS and top not in DIGIT_FILES:
         name = top
-        if top in MEDICAL_SITE_OPTIONS:
+        if top in PART_OPTIONS:
             options = f" --domains {stem}"
     return None if name is None else f"fednorm data prepare {name}{options} --data-dir {data_dir}"
 
@@ -661,18 +751,19 @@ def prepare_dataset(dataset: str, data_dir: Path, *, raw_dir: Path | None = None
                     fedbn_dir: Path | None = None, seeded_order: bool = False) -> list[Path]:
     """``fednorm data prepare DATASET``: run the dataset's preparer and return the files written.
 
-    ``size`` applies to the object benchmarks; ``domains`` to them and to the medical datasets of
-    :data:`MEDICAL_SITE_OPTIONS` (their sites); ``fedbn_dir`` to svhn and synthdigits; ``seeded_order``
+    ``size`` applies to the object benchmarks; ``domains`` to them, to the medical datasets of
+    :data:`MEDICAL_SITE_OPTIONS` (their sites) and to cifar10c (its corruptions); ``fedbn_dir`` to svhn and synthdigits; ``seeded_order``
     (``harmofl_order=False``) to prostate. Raises
     ValueError for an unknown dataset or an option that does not apply, and the preparer's
     :class:`DataError` (what to download, where to put it) when files are missing.
     """
     if dataset not in PREPARERS:
         raise ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(PREPARERS)}")
-    site_sets = (*OBJECT_PREPARERS, *MEDICAL_SITE_OPTIONS)
+    site_sets = (*OBJECT_PREPARERS, *PART_OPTIONS)
     if (size is not None and dataset not in OBJECT_PREPARERS) or (domains is not None and dataset not in site_sets):
         raise ValueError(f"{dataset}: --size and --domains apply to {' and '.join(OBJECT_PREPARERS)} only "
-                         f"(--domains also to the sites of {', '.join(MEDICAL_SITE_OPTIONS)})")
+                         f"(--domains also to the sites of {', '.join(MEDICAL_SITE_OPTIONS)} and the corruptions "
+                         "of cifar10c)")
     if isinstance(domains, str):
         domains = [d.strip() for d in domains.split(",") if d.strip()]
     if fedbn_dir is not None:
@@ -686,8 +777,8 @@ def prepare_dataset(dataset: str, data_dir: Path, *, raw_dir: Path | None = None
         extra["domains"] = domains or None
         if size is not None:
             extra["size"] = size
-    elif dataset in MEDICAL_SITE_OPTIONS and domains:
-        extra[MEDICAL_SITE_OPTIONS[dataset]] = tuple(domains)
+    elif dataset in PART_OPTIONS and domains:
+        extra[PART_OPTIONS[dataset]] = tuple(domains)
     raw = Path(raw_dir) if raw_dir is not None else None
     written = PREPARERS[dataset](Path(data_dir), raw_dir=raw, download=download, progress=progress, **extra)
     return list(written) if isinstance(written, (list, tuple)) else [written]
