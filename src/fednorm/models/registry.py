@@ -1,8 +1,8 @@
 """Models by name: ``build_model(name, num_classes=..., norm=..., **options)``.
 
 Every model takes any normalization of :data:`fednorm.models.norm.NORM_KINDS`. Options a model does
-not have (``classifier`` and ``width`` exist for the digit CNN and AlexNet only) are dropped when
-they are left at their defaults, and refused otherwise.
+not have (``classifier`` and ``width`` exist for the digit CNN and AlexNet only, ``pretrained`` and
+``input_size`` for AlexNet only) are dropped when they are left at their defaults, and refused otherwise.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 # name -> (module, builder); imported on use so that the registry costs nothing at start-up
 _BUILDERS: dict[str, tuple[str, str]] = {
     "digit_cnn": ("digit_cnn", "DigitCNN"),      # FedBN Table 3 / FedWon Table 5, 3 x 28 x 28
-    "alexnet": ("alexnet", "AlexNet"),           # FedBN Table 9 / FedWon Table 6, 256 x 256 (any >= 64)
+    "alexnet": ("alexnet", "AlexNet"),           # FedBN Table 9 / FedWon Table 6, 256 x 256 (any >= 63 or input_size)
     "resnet18": ("resnet", "resnet18"),          # torchvision ResNet-18 (FedWon, Office / Fed-ISIC2019)
     "resnet20": ("resnet", "resnet20"),          # CIFAR-style ResNet-20 (FedWon Table 13)
     "mobilenet_v2": ("mobilenet", "mobilenet_v2"),  # torchvision MobileNetV2 (FedWon label skew)
@@ -26,7 +26,8 @@ _BUILDERS: dict[str, tuple[str, str]] = {
     "mlp": ("mlp", "MLP"),                       # FedBN ABIDE I: FC-16-BN-ReLU, FC-16-BN-ReLU, FC (feature vectors)
 }
 MODEL_NAMES = tuple(_BUILDERS)
-_OPTIONAL_DEFAULTS = {"classifier": "fedbn", "width": 1.0, "bn_mode": "running", "code_zero_pad": False}
+_OPTIONAL_DEFAULTS = {"classifier": "fedbn", "width": 1.0, "bn_mode": "running", "code_zero_pad": False,
+                      "pretrained": "none", "input_size": None}
 # facts about the data that a model may need (the FBN CNN's flatten size, the MLP's input length); dropped for
 # models without them
 _CONTEXT_OPTIONS = ("image_size", "in_features")

@@ -24,6 +24,7 @@ from ..methods.presets import PRESETS, Method, resolve_method
 from ..methods.robust import ATTACKS
 from ..methods.server import ROBUST_RULES, SERVER_OPTIMIZERS, SERVER_RULES
 from ..methods.tasks import DICE_BACKGROUND, LOSSES, Task, build_task
+from ..models.alexnet import MIN_INPUT as ALEXNET_MIN_INPUT
 from ..models.norm import BATCHNORM_KINDS, NORM_KINDS
 from ..models.registry import MODEL_NAMES, build_model
 from ..models.wsconv import WSConv2d
@@ -109,12 +110,39 @@ class ModelConfig(_Strict):
         "at evaluation too; no BN state for FedBN to keep local); running = the usual BatchNorm")
     code_zero_pad: bool = Field(
         False, description="densenet121 only: the HarmoFL code's ZeroPad2d(2) after the first dense block")
+    pretrained: Literal["none", "imagenet"] = Field(
+        "none", description="alexnet only: imagenet = convs and FC1, FC2 from torchvision's ImageNet AlexNet "
+        "(UniFed CIFAR-10-C), class layer and normalization layers fresh; needs width 1 and a norm other than ws")
+    input_size: int | None = Field(
+        None, ge=1, description="alexnet only: resize every batch to input_size x input_size (bilinear) at the start "
+        "of the forward pass, e.g. 224 for 32 x 32 CIFAR images and the ImageNet weights (UniFed's size is lost)")
 
     @model_validator(mode="after")
     def _zero_pad_is_densenets(self) -> "ModelConfig":
         if self.code_zero_pad and self.name != "densenet121":
             raise ValueError(f"model.code_zero_pad is the HarmoFL code's DenseNet-121 padding; model {self.name!r} has "
                              "none (set model.name: densenet121 or leave it false)")
+        return self
+
+    @model_validator(mode="after")
+    def _pretrained_and_input_size_are_alexnets(self) -> "ModelConfig":
+        if self.pretrained != "none":
+            if self.name != "alexnet":
+                raise ValueError(f"model.pretrained: only alexnet has pretrained weights here, not {self.name!r} "
+                                 "(set model.name: alexnet or model.pretrained: none)")
+            if self.width != 1:
+                raise ValueError(f"model.pretrained: the ImageNet weights have the papers' layer sizes; model.width "
+                                 f"must be 1, got {self.width:g}")
+            if self.norm == "ws":
+                raise ValueError("model.pretrained: norm ws standardizes the convolutions' filters, which would "
+                                 "rescale the pretrained ones; choose another model.norm (UniFed adds BN: bn)")
+        if self.input_size is not None:
+            if self.name != "alexnet":
+                raise ValueError(f"model.input_size: only alexnet resizes its inputs, not {self.name!r} "
+                                 "(set model.name: alexnet or leave it unset)")
+            if self.input_size < ALEXNET_MIN_INPUT:
+                raise ValueError(f"model.input_size: alexnet needs at least {ALEXNET_MIN_INPUT} (its third max-pool), "
+                                 f"got {self.input_size}")
         return self
 
     def build(self, norm: str | None = None, num_classes: int = 10, image_size: int | None = None,
@@ -125,7 +153,8 @@ class ModelConfig(_Strict):
         if in_features:
             context["in_features"] = in_features
         model = build_model(self.name, num_classes=num_classes, norm=norm or self.norm, classifier=self.classifier,
-                            width=self.width, bn_mode=self.bn_mode, code_zero_pad=self.code_zero_pad, **context)
+                            width=self.width, bn_mode=self.bn_mode, code_zero_pad=self.code_zero_pad,
+                            pretrained=self.pretrained, input_size=self.input_size, **context)
         for module in model.modules():
             if isinstance(module, WSConv2d):
                 module.variance = self.ws_variance
@@ -614,6 +643,9 @@ class ExperimentConfig(_Strict):
                                  "set training.steps (1 for DSGD)")
             if method.policy in ("local_bn", "local_bn_stats") and norm not in BATCHNORM_KINDS:
                 raise ValueError(f"method {m.display!r} keeps BatchNorm state local but its model norm is {norm!r}")
+            if self.model.pretrained != "none" and norm == "ws":
+                raise ValueError(f"method {m.display!r} standardizes the convolutions' filters (norm ws), which would "
+                                 "rescale model.pretrained's; drop the method or set model.pretrained: none")
         try:
             size = image_size(self.data.domains)
             num_classes(self.data.domains)
@@ -624,9 +656,10 @@ class ExperimentConfig(_Strict):
         if self.model.name == "digit_cnn" and size != 28:
             raise ValueError(f"model digit_cnn takes 28 x 28 digits; domains of {size} x {size} need alexnet, "
                              "resnet18, resnet20 or mobilenet_v2")
-        if self.model.name == "alexnet" and size < 63:
-            raise ValueError(f"model alexnet needs images of at least 63 x 63 (its third max-pool), the domains "
-                             f"are {size} x {size}: use digit_cnn, resnet18, resnet20 or mobilenet_v2")
+        if self.model.name == "alexnet" and (self.model.input_size or size) < ALEXNET_MIN_INPUT:
+            raise ValueError(f"model alexnet needs images of at least {ALEXNET_MIN_INPUT} x {ALEXNET_MIN_INPUT} (its "
+                             f"third max-pool), the domains are {size} x {size}: set model.input_size (e.g. 224) or "
+                             "use digit_cnn, resnet18, resnet20 or mobilenet_v2")
         for variant in self.paper_variants:
             for key in variant.when:
                 try:
