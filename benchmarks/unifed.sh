@@ -2,6 +2,8 @@
 # UniFed experiments on offline data (presets unifed_corrupt_internal, unifed_corrupt_external, unifed_digits).
 #   PRESET=unifed_digits bash benchmarks/unifed.sh                   # one run folder
 #   PRESET=unifed_corrupt_external FOLDS="noise blur weather digital" bash benchmarks/unifed.sh
+#   PRESET=unifed_cifar10c_external BASE=cifar10c FOLDS="noise blur weather digital" bash benchmarks/unifed.sh
+#                                  # the same on the released CIFAR-10-C (fednorm data prepare cifar10c; a GPU machine)
 #                                  # leave-one-corruption-type-out: one run folder per held-out type, each
 #                                  # ending with its summary beside UniFed Table III (paper_summary.md)
 #   ABLATION=1 RUN=benchmarks/results/unifed/<run> bash benchmarks/unifed.sh
@@ -55,7 +57,8 @@ for held in $FOLDS; do
 from fednorm.data.corrupt import UNIFED_TYPES
 held = '$held'
 if held not in UNIFED_TYPES: raise SystemExit(f'unknown type {held}; choose from {list(UNIFED_TYPES)}')
-name = lambda c: f'corrupt/{c}/$SEVERITY/$BASE'
+# BASE=cifar10c: the released CIFAR-10-C files (preset unifed_cifar10c_external); else a generated corruption of BASE
+name = (lambda c: f'cifar10c/{c}/$SEVERITY') if '$BASE' == 'cifar10c' else (lambda c: f'corrupt/{c}/$SEVERITY/$BASE')
 train = [name(c) for t, cs in UNIFED_TYPES.items() if t != held for c in cs]
 print('[' + ','.join(train) + ']', '[' + ','.join(name(c) for c in UNIFED_TYPES[held]) + ']')")
   set -- $lists

@@ -176,3 +176,51 @@ def test_corruption_clients_train_on_the_protocols_split(tmp_path, unofficial):
         pool = arrays[corruption][4 * N:]
         for image in client.test.x:
             assert any(np.array_equal(image.permute(1, 2, 0).numpy(), p) for p in pool)
+
+
+def test_the_unifed_cifar10c_preset_runs_on_a_prepared_folder(tmp_path, unofficial):
+    """unifed_cifar10c_external end to end on tiny files (small AlexNet, no pretrained weights): two corruption
+    clients train, a held-out one is scored on all its images under every external mode."""
+    from fednorm.runs.config import load_config
+    from fednorm.runs.runner import start_run
+
+    arrays, labels = _release(np.random.default_rng(5), ("fog", "snow", "gaussian_noise"))
+    _write_tar(tmp_path / "raw/CIFAR-10-C.tar", arrays, labels)
+    data = tmp_path / "data"
+    prepare_dataset("cifar10c", data, raw_dir=tmp_path / "raw", download=False, progress=False,
+                    domains="fog,snow,gaussian_noise")
+    cfg = load_config("unifed_cifar10c_external", [
+        "data.domains=[cifar10c/fog/2, cifar10c/snow/2]", "external.domains=[cifar10c/gaussian_noise/2]",
+        "data.pool_size=16", "methods=[fedavg]", "seeds=[0]", "model.pretrained=none", "model.width=0.125",
+        "model.input_size=64", "training.precision=fp32", "training.batch_size=4", "federation.rounds=1",
+        "federation.eval_every=1"])
+    [result] = start_run(cfg, tmp_path / "run", data_dir=data)
+    clients = {c["name"]: c for c in result.summary["clients"]}
+    assert list(clients) == ["cifar10c/fog/2", "cifar10c/snow/2", "cifar10c/gaussian_noise/2:global",
+                             "cifar10c/gaussian_noise/2:test_time_bn", "cifar10c/gaussian_noise/2:fedbn_average"]
+    # the external client is scored on every image of its severity (external.data: all), internal ones on their
+    # protocol's 20 % test split
+    from fednorm.runs import store
+
+    records = store.read_metrics(tmp_path / "run" / "fedavg" / "seed0" / "metrics.jsonl")
+    tested = {r["client"]: r["n"] for r in records if r["split"] == "test"}
+    assert tested == {"cifar10c/fog/2": 4, "cifar10c/snow/2": 4, **{f"cifar10c/gaussian_noise/2:{mode}": N for mode in
+                                                                    ("global", "test_time_bn", "fedbn_average")}}
+
+
+def test_every_missing_file_of_a_run_is_named_in_one_message_with_one_command_per_dataset(tmp_path):
+    from fednorm.data.prepare import check_data_files
+
+    data = tmp_path / "data"
+    (data / "cifar10c").mkdir(parents=True)
+    (data / "cifar10c" / "fog.npz").write_bytes(b"present")  # present files are not named
+    domains = ["cifar10c/fog/3", "cifar10c/snow/3", "cifar10c/snow/5", "cifar10c/frost/1", "prostate/HK", "mnist",
+               "rendered/neon"]
+    with pytest.raises(DataError) as info:
+        check_data_files(domains, data)
+    text = str(info.value)
+    assert "lacks 4 file(s)" in text and "cifar10c/fog.npz" not in text  # snow once for its two severities
+    assert f"fednorm data prepare cifar10c --domains snow,frost --data-dir {data}" in text
+    assert f"fednorm data prepare prostate --domains HK --data-dir {data}" in text
+    assert "digits/mnist.npz: these come with the offline copy" in text
+    check_data_files(["cifar10c/fog/2", "rendered/neon"], data)  # nothing missing: no error

@@ -746,6 +746,41 @@ def prepare_command(relpath: str, data_dir: Path | str) -> str | None:
     return None if name is None else f"fednorm data prepare {name}{options} --data-dir {data_dir}"
 
 
+def check_data_files(domains, data_dir: Path) -> None:
+    """DataError naming every file ``domains`` read that is missing from ``data_dir``, with the fewest
+    ``fednorm data prepare`` commands that write them (one per dataset, its ``--domains`` joined); nothing when all
+    are there. A run checks this before loading anything, so fifteen missing corruption files are one message,
+    not fifteen attempts."""
+    import re
+
+    from .federation import domain_file
+
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():  # the loaders' own error says how to choose a data folder
+        return
+    missing = list(dict.fromkeys(f for f in (domain_file(d) for d in domains)
+                                 if f is not None and not (data_dir / f).is_file()))
+    if not missing:
+        return
+    commands: dict[tuple[str, str], list[str]] = {}
+    offline = []
+    for relpath in missing:
+        command = prepare_command(relpath, data_dir)
+        if command is None:
+            offline.append(relpath)
+            continue
+        parts = re.fullmatch(r"(.*) --domains (\S+)( --data-dir .*)", command)
+        key = (parts.group(1), parts.group(3)) if parts else (command, "")
+        commands.setdefault(key, []).extend([parts.group(2)] if parts else [])
+    lines = [f"  {head}{' --domains ' + ','.join(names) if names else ''}{tail}" for (head, tail), names in
+             commands.items()]
+    if offline:
+        lines.append(f"  {', '.join(offline)}: these come with the offline copy (../shared/data/README.md); "
+                     "pass --data-dir to a folder that holds them")
+    raise DataError(f"the data folder {data_dir} lacks {len(missing)} file(s) this run reads: {', '.join(missing)}. "
+                    "To get them:\n" + "\n".join(lines))
+
+
 def prepare_dataset(dataset: str, data_dir: Path, *, raw_dir: Path | None = None, download: bool = True,
                     progress: bool = True, size: int | None = None, domains=None,
                     fedbn_dir: Path | None = None, seeded_order: bool = False) -> list[Path]:

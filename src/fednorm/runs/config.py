@@ -702,14 +702,47 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _read_document(source: str | Path | None) -> dict:
+def _merge(base: dict, own: dict) -> dict:
+    """``own`` over ``base``: sections (mappings) merge key by key, anything else (lists included) is replaced."""
+    merged = dict(base)
+    for key, value in own.items():
+        merged[key] = _merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return merged
+
+
+def _read_document(source: str | Path | None, _chain: tuple[str, ...] = ()) -> dict:
+    """The config document of a file or preset, with its ``extends:`` resolved.
+
+    ``extends: <preset or file>`` starts from that document (itself possibly extending another; a relative file
+    path is relative to the extending file's folder) and lays this one over it: sections merge key by key, lists
+    (``methods``, ``seeds``, ``data.domains``) and values are replaced whole. The result holds no ``extends``.
+    """
+    document, where = _read_one(source)
+    chain = (*_chain, str(where.resolve()) if where is not None else str(source or "default"))
+    parent = document.pop("extends", None)
+    if parent is None:
+        return document
+    if not isinstance(parent, str) or not parent:
+        raise ConfigError(f"config {source}: extends must name one preset or config file, got {parent!r}")
+    if where is not None and Path(parent).suffix in (".yaml", ".yml") and not Path(parent).is_absolute():
+        parent = str(where.parent / parent)
+    is_file = Path(parent).suffix in (".yaml", ".yml") or Path(parent).exists()
+    if (str(Path(parent).resolve()) if is_file else parent) in chain:
+        raise ConfigError(f"config {source}: extends makes a cycle ({' -> '.join((*chain, parent))})")
+    return _merge(_read_document(parent, chain), document)
+
+
+def _read_one(source: str | Path | None) -> tuple[dict, Path | None]:
+    """One config document as written (``extends`` unresolved), and its file (None for a preset)."""
     if source is None:
         source = "default"
     path = Path(source)
+    where = None
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.exists():
             raise ConfigError(f"config file {path} does not exist")
         text = path.read_text()
+        where = path
     else:
         name = str(source)
         if name not in preset_names():
@@ -723,7 +756,7 @@ def _read_document(source: str | Path | None) -> dict:
         raise ConfigError(f"config {source} is not valid YAML: {exc}") from None
     if not isinstance(document, dict):
         raise ConfigError(f"config {source} must be a mapping of keys to values, got {type(document).__name__}")
-    return document
+    return document, where
 
 
 def apply_overrides(document: dict, overrides: list[str]) -> dict:

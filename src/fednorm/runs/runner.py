@@ -27,6 +27,7 @@ import yaml
 
 from ..data.datafolder import resolve_data_dir
 from ..data.domain import ClientData, normalize_batch
+from ..data.prepare import check_data_files
 from ..data.federation import (build_clients, domain_eval_clients, image_size, is_rendered, load_domain, load_pool,
                                num_classes, pooled_client)
 from ..data.partition import LABEL_SKEW_SCHEMES, label_skew_clients
@@ -71,6 +72,8 @@ def needs_data_folder(config: ExperimentConfig) -> bool:
 
 def build_federation_data(config: ExperimentConfig, data_dir: Path | None) -> list[ClientData]:
     """The federation's clients, followed by its external clients (``meta["external"]``, never trained)."""
+    if data_dir is not None:
+        check_data_files(list(config.data.domains) + list(config.external.domains), data_dir)
     internal = _build_internal(config, data_dir)
     if not config.external.domains:
         return internal
