@@ -156,3 +156,23 @@ def test_missing_and_corrupt_files_are_named(tmp_path):
     (raw / "metadata.csv").write_text("patient,node\n1,2\n")
     with pytest.raises(DataError, match="lacks the column"):
         prepare_camelyon17(data, raw_dir=raw, download=False)
+
+
+def test_the_unifed_camelyon17_preset_builds_unifeds_federation(tmp_path):
+    """unifed_camelyon17: hospitals 1-3 train on 0.7 / 0.1 / 0.2 splits, untruncated; hospitals 4-5 never train and
+    are scored on every patch (UniFed Sec. 4.2)."""
+    from fednorm.runs.config import load_config
+    from fednorm.runs.runner import build_federation_data
+
+    _bundle(tmp_path / "raw")
+    data = tmp_path / "data"
+    prepare_camelyon17(data, raw_dir=tmp_path / "raw", download=False)
+    cfg = load_config("unifed_camelyon17")
+    clients = build_federation_data(cfg, data)
+    internal = [c for c in clients if not c.meta.get("external")]
+    external = [c for c in clients if c.meta.get("external")]
+    assert [c.domain for c in internal] == ["camelyon17/hospital1", "camelyon17/hospital2", "camelyon17/hospital3"]
+    assert [(len(c.train), len(c.val), len(c.test)) for c in internal] == [(70, 10, 20), (17, 3, 5), (7, 1, 2)]
+    assert [c.domain for c in external] == ["camelyon17/hospital4", "camelyon17/hospital5"]
+    assert [len(c.test) for c in external] == [SIZES[3], SIZES[4]]
+    assert cfg.external.modes == ["global", "test_time_bn", "fedbn_average"] and len(cfg.methods) == 16

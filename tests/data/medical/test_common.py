@@ -27,6 +27,9 @@ def test_split_indices_partition_and_are_seeded():
     assert np.array_equal(tr, split_indices(100, "harmofl", seed=3)[0])
     assert not np.array_equal(tr, split_indices(100, "harmofl", seed=4)[0])
     assert [len(p) for p in split_indices(100, (0.7, 0.1, 0.2), seed=0)] == [70, 10, 20]
+    # the decimal fractions' products, not binary floating point's: (0.7 + 0.1) * 10 is 7.999999999999999
+    assert [len(p) for p in split_indices(10, (0.7, 0.1, 0.2), seed=0)] == [7, 1, 2]
+    assert fraction_bounds(100, (0.29, 0.01, 0.7)) == (29, 30)  # 0.29 * 100 is 28.999999999999996
     with pytest.raises(ValueError, match="sum"):
         fraction_bounds(10, (0.5, 0.5, 0.5))
 

@@ -119,8 +119,10 @@ def fraction_bounds(n: int, fractions: Sequence[float]) -> tuple[int, int]:
     down as in the official codes, so the test split gets the remainder."""
     if len(fractions) != 3 or any(f < 0 for f in fractions) or abs(sum(fractions) - 1.0) > 1e-9:
         raise ValueError(f"fractions must be three non-negative numbers summing to 1, got {fractions}")
-    train_end = int(fractions[0] * n)
-    return train_end, max(train_end, int((fractions[0] + fractions[1]) * n))
+    # int() of the products as the official codes, but of the products of the decimal fractions: in binary floating
+    # point 0.7 + 0.1 is 0.7999999999999999, whose int(10 x) would be 7 and leave a 10-sample site no validation
+    train_end = int(fractions[0] * n + 1e-9)
+    return train_end, max(train_end, int((fractions[0] + fractions[1]) * n + 1e-9))
 
 
 def split_indices(n: int, fractions: str | Sequence[float], seed: int) -> tuple[np.ndarray, ...]:
