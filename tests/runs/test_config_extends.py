@@ -21,6 +21,9 @@ def test_a_file_extending_a_preset_changes_only_what_it_names(tmp_path):
     assert [m.display for m in cfg.methods] == [m.display for m in base.methods] and cfg.paper == base.paper
     # lists are replaced, not appended to; overrides still apply last
     assert load_config(path, ["seeds=[4]"]).seeds == [4]
+    # the paper's numbers are one table: given again, they replace the extended preset's rows and clients whole
+    path.write_text("extends: unifed_corrupt_internal\npaper:\n  fedavg: {corrupt/fog/3/mnistm: 50.0}\n")
+    assert load_config(path).paper == {"fedavg": {"corrupt/fog/3/mnistm": 50.0}}
 
 
 def test_files_extend_files_relative_to_their_folder_and_cycles_are_named(tmp_path):

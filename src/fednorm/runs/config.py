@@ -702,11 +702,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _merge(base: dict, own: dict) -> dict:
-    """``own`` over ``base``: sections (mappings) merge key by key, anything else (lists included) is replaced."""
+# Top-level mappings that describe one thing as a whole: an extending config that gives one replaces it (the paper's
+# numbers of another table must not keep the extended preset's rows or clients).
+_REPLACED_WHOLE = frozenset({"paper"})
+
+
+def _merge(base: dict, own: dict, top: bool = True) -> dict:
+    """``own`` over ``base``: sections (mappings) merge key by key, anything else (lists included) is replaced, and
+    so is ``paper``."""
     merged = dict(base)
     for key, value in own.items():
-        merged[key] = _merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+        nested = isinstance(value, dict) and isinstance(base.get(key), dict) and not (top and key in _REPLACED_WHOLE)
+        merged[key] = _merge(base[key], value, top=False) if nested else value
     return merged
 
 
@@ -715,7 +722,8 @@ def _read_document(source: str | Path | None, _chain: tuple[str, ...] = ()) -> d
 
     ``extends: <preset or file>`` starts from that document (itself possibly extending another; a relative file
     path is relative to the extending file's folder) and lays this one over it: sections merge key by key, lists
-    (``methods``, ``seeds``, ``data.domains``) and values are replaced whole. The result holds no ``extends``.
+    (``methods``, ``seeds``, ``data.domains``), values and ``paper`` (the numbers of one table) are replaced whole.
+    The result holds no ``extends``.
     """
     document, where = _read_one(source)
     chain = (*_chain, str(where.resolve()) if where is not None else str(source or "default"))
