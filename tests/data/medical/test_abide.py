@@ -139,3 +139,25 @@ def test_errors_and_precomputed_vectors(tmp_path):
     (vec / "UM_y.npy").unlink()
     with pytest.raises(DataError, match="UM_y.npy"):
         prepare_abide_vectors(tmp_path / "data", vec)
+
+
+def test_the_fedbn_abide_preset_runs_fold_0_of_each_site(tmp_path):
+    """fedbn_abide (FedBN Table 1) on the two sites of the tiny release: each site tests on its fold-0 subjects'
+    windows, FedProx has the paper's mu 0.2, and a round of FedBN and FedProx trains the MLP."""
+    from fednorm.runs.config import load_config
+    from fednorm.runs.runner import build_federation_data, start_run
+
+    _raw(tmp_path / "raw")
+    data = tmp_path / "data"
+    prepare_abide(data, raw_dir=tmp_path / "raw", download=False, sites=("NYU", "USM"))
+    cfg = load_config("fedbn_abide", ["data.domains=[abide/NYU, abide/USM]", "seeds=[0]", "federation.rounds=1",
+                                      "federation.eval_every=1", "training.precision=fp32"])
+    assert {m.display: m.build().prox_mu for m in cfg.methods} == {"singleset": 0.0, "fedavg": 0.0, "fedprox": 0.2,
+                                                                    "fedbn": 0.0}
+    clients = build_federation_data(cfg, data)
+    for client, site in zip(clients, ("NYU", "USM")):
+        fold0 = load_abide(site, data, fold=0)
+        assert torch.equal(client.test.y, fold0.test.y) and len(client.train) == len(fold0.train)
+    results = start_run(cfg, tmp_path / "run", data_dir=str(data))
+    assert [r.label for r in results] == ["singleset", "fedavg", "fedprox", "fedbn"]
+    assert [c["name"] for c in results[3].summary["clients"]] == ["abide/NYU", "abide/USM"]
