@@ -2,7 +2,7 @@
 # UniFed experiments on offline data (presets unifed_corrupt_internal, unifed_corrupt_external, unifed_digits).
 #   PRESET=unifed_digits bash benchmarks/unifed.sh                   # one run folder
 #   PRESET=unifed_corrupt_external FOLDS="noise blur weather digital" bash benchmarks/unifed.sh
-#   PRESET=unifed_cifar10c_external BASE=cifar10c FOLDS="noise blur weather digital" bash benchmarks/unifed.sh
+#   DATA=<folder with cifar10c/> PRESET=unifed_cifar10c_external BASE=cifar10c FOLDS="noise blur weather digital" bash benchmarks/unifed.sh
 #                                  # the same on the released CIFAR-10-C (fednorm data prepare cifar10c; a GPU machine)
 #                                  # leave-one-corruption-type-out: one run folder per held-out type, each
 #                                  # ending with its summary beside UniFed Table III (paper_summary.md)

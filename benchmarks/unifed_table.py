@@ -119,8 +119,9 @@ def print_add_on_gain(internal_by_seed: dict[str, dict[int, float]], methods: li
 
 def column_name(client: str) -> str:
     """A corrupted domain's column is its corruption (``corrupt/fog/3/mnistm`` -> ``fog``,
-    ``corrupt/fog/3/mnistm:global`` -> ``fog:global``); the base and severity are in the run's config."""
-    if not client.startswith("corrupt/"):
+    ``corrupt/fog/3/mnistm:global`` -> ``fog:global``, the released ``cifar10c/fog/3`` -> ``fog``); the base and
+    severity are in the run's config."""
+    if not client.startswith(("corrupt/", "cifar10c/")):
         return client
     domain, _, mode = client.partition(":")
     return domain.split("/")[1] + (f":{mode}" if mode else "")

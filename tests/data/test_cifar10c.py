@@ -120,6 +120,10 @@ def test_an_extracted_release_folder_needs_no_archive(tmp_path):
     np.testing.assert_array_equal(x.permute(0, 2, 3, 1).numpy(), arrays["pixelate"][3 * N: 4 * N])
     with pytest.raises(DataError, match="frost.npy is missing"):
         prepare_dataset("cifar10c", data, raw_dir=tmp_path / "raw", download=False, domains="frost")
+    # --raw-dir pointing at the extracted folder itself reads it too (and never downloads the archive into it)
+    other = tmp_path / "other"
+    prepare_dataset("cifar10c", other, raw_dir=folder, progress=False, domains="pixelate")
+    assert torch.equal(load_cifar10c("pixelate", 4, other)[0], x) and not (folder / "CIFAR-10-C.tar").exists()
 
 
 def test_bad_releases_are_refused_naming_what_is_wrong(tmp_path, unofficial):

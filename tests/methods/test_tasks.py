@@ -108,6 +108,8 @@ def test_build_task_and_errors():
     with pytest.raises(ValueError, match="segmentation loss"):
         build_task("classification", "dice")
     with pytest.raises(ValueError, match="unknown loss"):
+        Task("segmentation", "tversky")
+    with pytest.raises(ValueError, match="'focal' is a classification loss"):
         Task("segmentation", "focal")
     with pytest.raises(ValueError, match="dice_background"):
         Task("segmentation", "dice", "both")
@@ -115,3 +117,31 @@ def test_build_task_and_errors():
         prepare_features(torch.zeros(2, 3, 4, 4))
     x = torch.randn(3, 5)
     assert torch.equal(prepare_features(x), x)  # no /255, no standardization
+
+
+def test_focal_loss_by_hand_and_flambys_isic_weights():
+    """FedWon Table 11 trains Fed-ISIC2019 with FLamby's weighted focal loss: -alpha_y (1 - p_y)^2 log p_y, averaged."""
+    from fednorm.methods.tasks import FLAMBY_ISIC_FOCAL_ALPHA, focal_loss
+
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.5, 0.5, 3.0]])
+    y = torch.tensor([0, 1])
+    p = torch.softmax(logits, 1)
+    p0, p1 = float(p[0, 0]), float(p[1, 1])
+    by_hand = [-(1 - p0) ** 2 * math.log(p0), -(1 - p1) ** 2 * math.log(p1)]
+    assert float(focal_loss(logits, y)) == pytest.approx(sum(by_hand) / 2, rel=1e-6)
+    alpha = (2.0, 5.0, 1.0)
+    weighted = focal_loss(logits, y, alpha, reduction="sum")
+    assert float(weighted) == pytest.approx(2.0 * by_hand[0] + 5.0 * by_hand[1], rel=1e-6)
+    assert torch.allclose(focal_loss(logits, y, gamma=0.0), F.cross_entropy(logits, y))  # gamma 0: cross-entropy
+    with pytest.raises(ValueError, match="2 class weights for 3 classes"):
+        focal_loss(logits, y, (1.0, 2.0))
+    # FLamby's weights on Fed-ISIC2019, none elsewhere; the task's training and evaluation losses are the focal loss
+    isic = build_task("classification", "focal", benchmark="fed_isic2019")
+    assert isic.focal_alpha == FLAMBY_ISIC_FOCAL_ALPHA == (5.5813, 2.0472, 7.0204, 26.1194, 9.5369, 101.0707,
+                                                           92.5224, 38.3443)
+    plain = build_task("classification", "focal", benchmark="pacs")
+    assert plain.focal_alpha is None and float(plain.loss(logits, y)) == pytest.approx(sum(by_hand) / 2, rel=1e-6)
+    correct, total = plain.evaluation_sums(logits, y)
+    assert correct == 1 and total == pytest.approx(sum(by_hand), rel=1e-6)
+    with pytest.raises(ValueError, match="classification loss"):
+        build_task("segmentation", "focal")

@@ -24,6 +24,12 @@ def test_a_file_extending_a_preset_changes_only_what_it_names(tmp_path):
     # the paper's numbers are one table: given again, they replace the extended preset's rows and clients whole
     path.write_text("extends: unifed_corrupt_internal\npaper:\n  fedavg: {corrupt/fog/3/mnistm: 50.0}\n")
     assert load_config(path).paper == {"fedavg": {"corrupt/fog/3/mnistm": 50.0}}
+    # ... and with them the extended preset's source and variants go: they described the other numbers
+    path.write_text("extends: fbn_cifar10\npaper:\n  fbn: {Avg: 10.0}\n")
+    mine = load_config(path)
+    assert mine.paper_source is None and mine.paper_variants == [] and load_config("fbn_cifar10").paper_variants
+    path.write_text("extends: fbn_cifar10\nname: other\n")  # giving none keeps all three
+    assert load_config(path).paper_variants == load_config("fbn_cifar10").paper_variants
 
 
 def test_files_extend_files_relative_to_their_folder_and_cycles_are_named(tmp_path):

@@ -251,7 +251,7 @@ def test_external_data_all_scores_every_image_of_the_external_domain():
                        seed=cfg.data.split_seed).all()
     assert len(split[0].test) < len(pool)
     assert torch.equal(whole[0].test.x, pool.x) and torch.equal(whole[0].test.y, pool.y)
-    assert whole[0].meta["external"]
+    assert whole[0].meta["external"] and len(whole[0].train) == 0  # loaded once: no protocol split kept beside it
 
 
 def test_external_domain_is_reported_per_mode_and_left_out_of_the_average(tmp_path):

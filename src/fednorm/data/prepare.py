@@ -455,7 +455,8 @@ def prepare_cifar10c(data_dir: Path, *, raw_dir: Path | None = None, download: b
                      corruptions: tuple[str, ...] | None = None) -> list[Path]:
     """Write ``cifar10c/<corruption>.npz`` for ``corruptions`` (default: all 19 of the release) from
     ``CIFAR-10-C.tar`` in ``raw_dir`` (default ``data_dir/raw/cifar10c``; downloaded from Zenodo, 2.9 GB, if
-    absent and neither it nor its extracted ``CIFAR-10-C`` folder is there). Returns the files written."""
+    absent), or from the extracted release: ``raw_dir/CIFAR-10-C/`` or ``raw_dir`` itself holding ``labels.npy``
+    and the ``<corruption>.npy`` files. Returns the files written."""
     from .cifar10c import CORRUPTIONS, RELEASE_FOLDER, cifar10c_file
 
     data_dir = Path(data_dir)
@@ -465,8 +466,9 @@ def prepare_cifar10c(data_dir: Path, *, raw_dir: Path | None = None, download: b
     if unknown:
         raise ValueError(f"unknown CIFAR-10-C corruption(s) {unknown}; choose from {', '.join(CORRUPTIONS)}")
     src = CIFAR10C_SOURCES["archive"]
-    folder = raw_dir / RELEASE_FOLDER
-    if (folder / "labels.npy").is_file():  # already extracted (by the user): no archive needed, no digest to check
+    # already extracted (by the user): raw_dir holds the CIFAR-10-C folder, or is it; no archive, no digest to check
+    folder = next((f for f in (raw_dir / RELEASE_FOLDER, raw_dir) if (f / "labels.npy").is_file()), None)
+    if folder is not None:
         raw, source = folder, f"{folder} (the release's extracted folder; no digest checked)"
     else:
         hint = (f"Download it from {src.url} (Zenodo record 2535967) into {{raw_dir}}, or extract it there as "

@@ -5,7 +5,9 @@ score?", so the rest of fednorm does not care whether a batch holds class labels
 
 * ``classification`` (images or feature vectors): cross-entropy, accuracy. The loss is exactly the
   ``F.cross_entropy(logits.float(), y)`` the loop always used, so classification numbers do not
-  change by going through a task.
+  change by going through a task. ``focal`` is the weighted focal loss of FLamby's Fed-ISIC2019 baseline
+  (FedWon Table 11): ``mean(-alpha_y (1 - p_y)^2 log p_y)``, with FLamby's class weights ``alpha`` on
+  Fed-ISIC2019 and no weights elsewhere; its evaluation loss is the same focal loss.
 * ``segmentation`` (HarmoFL's nuclei and prostate tasks): logits ``N x K x H x W`` against integer
   masks ``N x H x W``. Masks are stored as uint8 (:class:`~fednorm.data.medical.SegmentationSplit`)
   and converted to int64 one batch at a time (:meth:`Task.target`). Losses (HarmoFL names them but
@@ -40,7 +42,12 @@ import torch.nn.functional as F
 from .segmentation import DICE_SMOOTH, ce_dice_loss, dice_loss, dice_score
 
 TASK_KINDS = ("classification", "segmentation")
-LOSSES = ("ce", "dice", "ce_dice")
+LOSSES = ("ce", "dice", "ce_dice", "focal")
+CLASSIFICATION_LOSSES = ("ce", "focal")
+# FLamby fed_isic2019 BaselineLoss (the weighted focal loss FedWon Table 11 trains with): class weights of the 8
+# classes in FLamby's label order (MEL, NV, BCC, AK, BKL, DF, VASC, SCC) and gamma 2
+FLAMBY_ISIC_FOCAL_ALPHA = (5.5813, 2.0472, 7.0204, 26.1194, 9.5369, 101.0707, 92.5224, 38.3443)
+FOCAL_GAMMA = 2.0
 DICE_BACKGROUND = ("exclude", "include", "code")
 # HarmoFL Sec. 4: nuclei "segmentation Dice loss"; prostate "cross-entropy and dice loss together"
 PAPER_SEGMENTATION_LOSS = {"nuclei": "dice", "prostate": "ce_dice"}
@@ -54,14 +61,20 @@ class Task:
     kind: str = "classification"
     loss_name: str = "ce"
     dice_background: str = "exclude"
+    focal_alpha: tuple[float, ...] | None = None  # focal loss: per-class weights (None: unweighted)
 
     def __post_init__(self) -> None:
         if self.kind not in TASK_KINDS:
             raise ValueError(f"unknown task {self.kind!r}; choose one of {', '.join(TASK_KINDS)}")
         if self.loss_name not in LOSSES:
             raise ValueError(f"unknown loss {self.loss_name!r}; choose one of {', '.join(LOSSES)}")
-        if self.kind == "classification" and self.loss_name != "ce":
-            raise ValueError(f"loss {self.loss_name!r} is a segmentation loss; classification trains with 'ce'")
+        if self.kind == "classification" and self.loss_name not in CLASSIFICATION_LOSSES:
+            raise ValueError(f"loss {self.loss_name!r} is a segmentation loss; classification trains with 'ce' or "
+                             "'focal'")
+        if self.kind == "segmentation" and self.loss_name in ("focal",):
+            raise ValueError("loss 'focal' is a classification loss; segmentation trains with ce, dice or ce_dice")
+        if self.focal_alpha is not None and self.loss_name != "focal":
+            raise ValueError(f"focal_alpha weighs the focal loss, not {self.loss_name!r}")
         if self.dice_background not in DICE_BACKGROUND:
             raise ValueError(f"dice_background must be one of {', '.join(DICE_BACKGROUND)}, got {self.dice_background!r}")
 
@@ -76,6 +89,8 @@ class Task:
 
     def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The batch's mean loss (computed in float32, as the loop always did under bf16 autocast)."""
+        if self.loss_name == "focal":
+            return focal_loss(logits, y, self.focal_alpha)
         if self.kind == "classification":
             return F.cross_entropy(logits.float(), y)
         if self.loss_name == "ce":
@@ -91,6 +106,8 @@ class Task:
         per-image Dice and the batch's mean loss times its size (Dice losses are batch quantities, so
         the evaluation loss depends on the evaluation batch size, as the official code's does).
         """
+        if self.loss_name == "focal":
+            return int((logits.argmax(1) == y).sum()), float(focal_loss(logits, y, self.focal_alpha, reduction="sum"))
         if self.kind == "classification":
             return int((logits.argmax(1) == y).sum()), float(F.cross_entropy(logits, y, reduction="sum"))
         return float(self.per_image_dice(logits, y).sum()), float(self.loss(logits, y)) * len(y)
@@ -107,6 +124,20 @@ class Task:
 CLASSIFICATION = Task()
 
 
+def focal_loss(logits: torch.Tensor, y: torch.Tensor, alpha: tuple[float, ...] | None = None,
+               gamma: float = FOCAL_GAMMA, reduction: str = "mean") -> torch.Tensor:
+    """Focal loss (Lin et al. 2017) of class logits ``N x K``: ``-alpha_y (1 - p_y)^gamma log p_y`` per sample, as
+    FLamby's BaselineLoss (``alpha`` None: 1 for every class; gamma 0 and no alpha: cross-entropy), in float32."""
+    logp = F.log_softmax(logits.float(), dim=1).gather(1, y.view(-1, 1)).view(-1)
+    weight = (1.0 - logp.exp()).pow(gamma)
+    if alpha is not None:
+        if len(alpha) != logits.shape[1]:
+            raise ValueError(f"the focal loss has {len(alpha)} class weights for {logits.shape[1]} classes")
+        weight = weight * torch.tensor(alpha, dtype=weight.dtype, device=weight.device)[y]
+    loss = -weight * logp
+    return loss.mean() if reduction == "mean" else loss.sum()
+
+
 def build_task(kind: str = "classification", loss: str = "auto", dice_background: str = "exclude",
                benchmark: str | None = None) -> Task:
     """The task of a run: ``kind`` from its domains, ``loss`` from ``training.loss``.
@@ -117,10 +148,15 @@ def build_task(kind: str = "classification", loss: str = "auto", dice_background
     if loss == "auto":
         loss = "ce" if kind == "classification" else PAPER_SEGMENTATION_LOSS.get(benchmark or "",
                                                                                 DEFAULT_SEGMENTATION_LOSS)
-    if kind == "classification" and loss != "ce":
+    if kind == "classification" and loss not in CLASSIFICATION_LOSSES:
         raise ValueError(f"training.loss {loss!r} is a segmentation loss, but the domains are a classification "
-                         "task (loss: ce or auto)")
-    return Task(kind, loss, dice_background)
+                         "task (loss: ce, focal or auto)")
+    if kind == "segmentation" and loss == "focal":
+        raise ValueError("training.loss 'focal' is a classification loss, but the domains are a segmentation task "
+                         "(loss: ce, dice, ce_dice or auto)")
+    # FLamby's class weights on Fed-ISIC2019 (their order is its label order); an unweighted focal loss elsewhere
+    alpha = FLAMBY_ISIC_FOCAL_ALPHA if loss == "focal" and benchmark == "fed_isic2019" else None
+    return Task(kind, loss, dice_background, alpha)
 
 
 def prepare_features(x: torch.Tensor) -> torch.Tensor:

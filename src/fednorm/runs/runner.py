@@ -29,7 +29,7 @@ from ..data.datafolder import resolve_data_dir
 from ..data.domain import ClientData, normalize_batch
 from ..data.prepare import check_data_files
 from ..data.federation import (build_clients, domain_eval_clients, image_size, is_rendered, load_domain, load_pool,
-                               num_classes, pooled_client)
+                               num_classes, parse_domain, pooled_client)
 from ..data.partition import LABEL_SKEW_SCHEMES, label_skew_clients
 from ..methods.aggregation import DivergenceError
 from ..methods.server import Threat
@@ -73,7 +73,8 @@ def needs_data_folder(config: ExperimentConfig) -> bool:
 def build_federation_data(config: ExperimentConfig, data_dir: Path | None) -> list[ClientData]:
     """The federation's clients, followed by its external clients (``meta["external"]``, never trained)."""
     if data_dir is not None:
-        check_data_files(list(config.data.domains) + list(config.external.domains), data_dir)
+        check_data_files(list(config.data.domains) + list(config.external.domains)
+                         + ([config.data.test_domain] if config.data.test_domain else []), data_dir)
     internal = _build_internal(config, data_dir)
     if not config.external.domains:
         return internal
@@ -85,13 +86,21 @@ def build_external_clients(config: ExperimentConfig, data_dir: Path | None,
     """The external clients (``meta["external"]``) of ``domains`` (default: all of the config's); each is built
     from its own domain's file alone, so a Flower node holding one needs no other domain's data."""
     d = config.data
-    external = build_clients(list(domains or config.external.domains), data_dir=data_dir, percent=d.percent,
-                             pool_size=d.pool_size, split_seed=d.split_seed, rendered_size=d.rendered_size)
+    domains = list(domains or config.external.domains)
+    if config.external.data == "all":
+        # never trained: every sample of the domain is test data, loaded once (no protocol split beside it: an
+        # external Camelyon17 hospital is gigabytes); the train split is empty, as nothing trains on it
+        external = []
+        for domain in domains:
+            whole = load_domain(domain, data_dir=data_dir, rendered_size=d.rendered_size, seed=d.split_seed).all()
+            external.append(ClientData(name=domain, domain=domain, train=whole.subset(torch.zeros(0, dtype=torch.int64)),
+                                       test=whole, origin=parse_domain(domain).origin,
+                                       meta={"protocol": "external, every sample tested", "external": True}))
+        return external
+    external = build_clients(domains, data_dir=data_dir, percent=d.percent, pool_size=d.pool_size,
+                             split_seed=d.split_seed, rendered_size=d.rendered_size)
     for c in external:
         c.meta["external"] = True
-    if config.external.data == "all":  # never trained: every image of the domain is test data
-        external = [replace(c, test=load_domain(c.domain, data_dir=data_dir, rendered_size=d.rendered_size,
-                                                seed=d.split_seed).all()) for c in external]
     return external
 
 

@@ -80,11 +80,14 @@ def test_slide_split_and_unifed_protocol(tmp_path):
     # ten slides of ten patches: whole slides, 60/20/20 (the slide whose middle is in each share)
     assert (len(dom.train), len(dom.val), len(dom.test)) == (60, 20, 20)
     uni = load_unifed_camelyon17(data)
-    assert list(uni) == ["hospital1", "hospital2", "hospital3", "hospital4", "hospital5"]
+    # UniFed's external "hospital4-5" are the WILDS paper's OOD validation and test hospitals: WILDS centers 1 and 2
+    assert list(uni) == ["hospital1", "hospital4", "hospital5", "hospital2", "hospital3"]
+    assert cam.UNIFED_EXTERNAL == ("hospital2", "hospital3")
+    assert [cam.CAMELYON17_CENTER[h] for h in cam.UNIFED_EXTERNAL] == [1, 2]
     assert (len(uni["hospital1"].train), len(uni["hospital1"].val), len(uni["hospital1"].test)) == (70, 10, 20)
     for h in cam.UNIFED_EXTERNAL:
         assert len(uni[h].train) == 0 and len(uni[h].val) == 0 and uni[h].train.x.shape[1:] == (3, 96, 96)
-    assert len(uni["hospital5"].test) == 12
+    assert len(uni["hospital2"].test) == SIZES[1] and len(uni["hospital3"].test) == SIZES[2]
     with pytest.raises(ValueError, match="split_by"):
         load_camelyon17("hospital1", data, split_by="patient")
     with pytest.raises(ValueError, match="hospital"):
@@ -159,8 +162,8 @@ def test_missing_and_corrupt_files_are_named(tmp_path):
 
 
 def test_the_unifed_camelyon17_preset_builds_unifeds_federation(tmp_path):
-    """unifed_camelyon17: hospitals 1-3 train on 0.7 / 0.1 / 0.2 splits, untruncated; hospitals 4-5 never train and
-    are scored on every patch (UniFed Sec. 4.2)."""
+    """unifed_camelyon17: WILDS' training centers (hospital1, 4, 5) train on 0.7 / 0.1 / 0.2 splits, untruncated; its
+    OOD validation and test centers (hospital2, 3: UniFed's "hospital4-5") never train and are scored on every patch."""
     from fednorm.runs.config import load_config
     from fednorm.runs.runner import build_federation_data
 
@@ -171,8 +174,8 @@ def test_the_unifed_camelyon17_preset_builds_unifeds_federation(tmp_path):
     clients = build_federation_data(cfg, data)
     internal = [c for c in clients if not c.meta.get("external")]
     external = [c for c in clients if c.meta.get("external")]
-    assert [c.domain for c in internal] == ["camelyon17/hospital1", "camelyon17/hospital2", "camelyon17/hospital3"]
-    assert [(len(c.train), len(c.val), len(c.test)) for c in internal] == [(70, 10, 20), (17, 3, 5), (7, 1, 2)]
-    assert [c.domain for c in external] == ["camelyon17/hospital4", "camelyon17/hospital5"]
-    assert [len(c.test) for c in external] == [SIZES[3], SIZES[4]]
+    assert [c.domain for c in internal] == [f"camelyon17/{h}" for h in cam.UNIFED_INTERNAL]
+    assert [(len(c.train), len(c.val), len(c.test)) for c in internal] == [(70, 10, 20), (7, 1, 2), (8, 1, 3)]
+    assert [c.domain for c in external] == [f"camelyon17/{h}" for h in cam.UNIFED_EXTERNAL]
+    assert [len(c.test) for c in external] == [SIZES[1], SIZES[2]]
     assert cfg.external.modes == ["global", "test_time_bn", "fedbn_average"] and len(cfg.methods) == 16

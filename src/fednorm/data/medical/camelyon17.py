@@ -9,9 +9,13 @@ central 32 x 32 region contains tumour), ``slide``, ``center`` (hospital 0..4), 
 
 Hospitals: ``hospital1`` .. ``hospital5`` = WILDS ``center`` 0 .. 4. HarmoFL's code names its
 sites '1'..'5' and reads them from a ``data.pkl`` that is not public; that '1'..'5' is WILDS' 0..4
-in order is our reading (the paper never maps its clients A-E to hospitals). UniFed trains on
-"hospital1-3" and tests on "hospital4-5" (:data:`UNIFED_INTERNAL`, :data:`UNIFED_EXTERNAL`); its
-mapping to hospital IDs is not stated either. Note WILDS itself holds out centers 1 and 2, not 3-4.
+in order is our reading (the paper never maps its clients A-E to hospitals). UniFed trains on its
+"hospital1-3" and tests on its "hospital4-5", "following the setting of source/target domains in literature
+[WILDS]": the WILDS paper numbers its hospitals from 1 and labels its OOD validation and test hospitals 4 and 5
+(its code: "we used a 1-indexed scheme and just labeled the test hospital as 5"), which are WILDS ``center`` 1
+(validation) and 2 (test). So UniFed's external clients are our ``hospital2`` and ``hospital3`` and its internal
+ones ``hospital1``, ``hospital4``, ``hospital5`` (:data:`UNIFED_INTERNAL`, :data:`UNIFED_EXTERNAL`). The other
+reading, UniFed's names as WILDS centers 3-4 plus one, holds out two of WILDS' training hospitals.
 
 Data folder format (written by :func:`prepare_camelyon17`), one file per hospital,
 ``camelyon17/hospital<k>.npz``: ``x`` (N, 96, 96, 3) uint8, ``y`` (N,) uint8 (tumour),
@@ -44,8 +48,10 @@ from ._common import (RawFile, check_choice, empty_like_split, fetch, group_spli
 CAMELYON17_HOSPITALS = ("hospital1", "hospital2", "hospital3", "hospital4", "hospital5")
 # WILDS ``center`` of each hospital (0-indexed in WILDS' metadata.csv).
 CAMELYON17_CENTER = {name: i for i, name in enumerate(CAMELYON17_HOSPITALS)}
-UNIFED_INTERNAL = ("hospital1", "hospital2", "hospital3")
-UNIFED_EXTERNAL = ("hospital4", "hospital5")
+# UniFed's internal / external hospitals: WILDS' training centers 0, 3, 4 and its OOD validation and test centers
+# 1, 2 (the WILDS paper's hospitals 4 and 5, UniFed's "hospital4-5"; see the module docstring)
+UNIFED_INTERNAL = ("hospital1", "hospital4", "hospital5")
+UNIFED_EXTERNAL = ("hospital2", "hospital3")
 # UniFed's internal clients: train/val/test 0.7/0.1/0.2 as in its CIFAR-10-C benchmark ("keep other
 # training settings the same as the benchmark experiment"); not restated for Camelyon17 [inferred].
 UNIFED_INTERNAL_FRACTIONS = (0.7, 0.1, 0.2)
@@ -217,8 +223,8 @@ def load_camelyon17(hospital: str, data_dir: Path, *, fractions: str | Sequence[
 
 def load_unifed_camelyon17(data_dir: Path, *, seed: int = 0,
                            internal_fractions: Sequence[float] = UNIFED_INTERNAL_FRACTIONS) -> dict[str, Domain]:
-    """UniFed's Camelyon17 protocol: internal hospitals 1-3 split ``internal_fractions``;
-    external hospitals 4-5 hold every patch in ``test`` (empty train and val)."""
+    """UniFed's Camelyon17 protocol: the internal hospitals (WILDS' training centers) split ``internal_fractions``;
+    the external ones (WILDS' OOD validation and test centers) hold every patch in ``test`` (empty train and val)."""
     out = {h: load_camelyon17(h, data_dir, fractions=internal_fractions, seed=seed) for h in UNIFED_INTERNAL}
     for h in UNIFED_EXTERNAL:
         x, y, _ = load_camelyon17_pool(h, data_dir)
