@@ -20,8 +20,12 @@ listed in the folder's ``manifest.json`` like every other file. The images are c
 exactly as the official ``__getitem__`` + transforms do: an image with three bands is used as
 RGB, any other (grey, palette, RGBA, CMYK) becomes ``Grayscale(num_output_channels=3)``; then
 PIL's bilinear ``resize`` to ``size x size`` (torchvision's ``Resize([256, 256])`` on a PIL image
-is this call). The training augmentation of the official code (random flip, rotation +-30 deg) is
-not stored: the in-memory data path has no per-sample transforms.
+is this call). The training augmentation of the official code (``RandomHorizontalFlip()``,
+``RandomRotation((-30, 30))``, training images only) is not stored: it is applied to each training
+batch by ``training.augment: fedbn_objects`` (:mod:`fednorm.methods.augment`: per image a flip with
+probability 0.5, then a rotation uniform in [-30, 30] degrees about the centre, nearest, corners
+black), on the uint8 images before normalization; evaluation sees the stored images. The default
+(``none``) trains without it.
 
 Size: the papers use 256 x 256. The default here is 64 (as the offline PACS copy): one DomainNet
 domain at 256 x 256 is over a gigabyte of uint8 in memory, and AlexNet's adaptive pool accepts

@@ -8,7 +8,8 @@ stratified 80/20 split as the digits (:mod:`fednorm.data.protocol`).
 
 The papers' object pipelines resize to 256 x 256 and augment with random flips and rotations
 (FedBN's Office/DomainNet code); here images stay at 64 x 64 (AlexNet's adaptive pool accepts
-them) and are not augmented, as the in-memory data path has no per-sample transforms.
+them) and are stored unaugmented: ``training.augment: fedbn_objects`` applies that flip and rotation
+to the training batches (:mod:`fednorm.methods.augment`), off by default.
 """
 
 from __future__ import annotations

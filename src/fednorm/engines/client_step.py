@@ -23,6 +23,7 @@ from ..methods.presets import Method
 from ..methods.server import ClientReply
 from ..models.fbn import federated_bn_layers, set_federation_size
 from .device import to_device
+from .seeds import augment_generator
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,14 @@ class ClientRunner:
         it while training the next client). ``input_state`` is the server's input harmonization state
         (HarmoFL's global amplitude, once averaged); the client's own amplitude goes into the message
         under ``amp.client`` until then. Tensors that arrive on another device (a Flower node's messages and
-        stored state are host arrays) are moved to the model's."""
+        stored state are host arrays) are moved to the model's.
+
+        ``training.augment`` acts inside ``train_locally`` on each uint8 training batch, before ``prepare``:
+        under HarmoFL the amplitude normalization that replaces ``prepare`` therefore sees the augmented
+        batch, and round 1's running amplitude averages augmented training images (the official code's
+        amplitude layer is the network's first, after the data loader's transforms). The client algorithm's
+        own passes over the training data (``ClientContext.prepare``: SCAFFOLD option I's full gradient at the
+        global model, in eval mode) are not augmented: they are a reference gradient, not training steps."""
         global_state, server_state = to_device(global_state, self.device), to_device(server_state, self.device)
         memory.local_state = to_device(memory.local_state, self.device)
         for key, value in memory.algorithm_state.items():  # in place: the caller keeps this dict (SCAFFOLD's c_i)
@@ -138,6 +146,8 @@ class ClientRunner:
             algorithm=self.algorithm,
             context=context,
             weight_perturbation=self.method.weight_perturbation,
+            # training.augment: its own stream from the round's client seed, so augment none draws nothing
+            augment_generator=augment_generator(instructions.seed) if training.augment != "none" else None,
         )
         message = context.scratch.get("message", {})
         if normalizer is not None and not normalizer.frozen:

@@ -31,17 +31,14 @@ from ..methods.external import EXTERNAL_MODES, ExternalBN, bn_affine_keys, evalu
 from .allocator import reuse_freed_memory
 from .device import to_device
 from .client_step import ClientMemory, ClientRunner, RoundInstructions, update_input_state
+from .seeds import augment_generator, derive_seed
 from ..methods.server import ClientReply, LocalSchedule, ServerUpdate, Threat
 from ..models.fbn import federated_bn_layers
 
 _SAMPLING_STREAM = 1
 _CLIENT_STREAM = 2
 _DIAGNOSTIC_STREAM = 5
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed that depends only on ``parts`` (seed, round, client, stream...)."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint64)[0] >> 1)
+# 6: training-time augmentation (seeds.AUGMENT_STREAM, derived from the client's round seed)
 
 
 @dataclass(frozen=True)
@@ -310,11 +307,13 @@ class InProcessEngine:
                  for s in range(len(schedules[0]))]
         data = Split.concat([c.train for c in participants])
         self.load_client("__union__")
-        torch.manual_seed(derive_seed(self.federation.seed, r, _CLIENT_STREAM))
+        round_seed = derive_seed(self.federation.seed, r, _CLIENT_STREAM)
+        torch.manual_seed(round_seed)
         result, optimizer_state = train_locally(
             self.model, data, training, generator=torch.Generator(), prepare=self.prepare,
             optimizer_state=self.optimizer_states.get("__union__"), agc_clip=self.method.agc_clip,
             agc_exclude_head=self.method.agc_exclude_head, schedule=union,
+            augment_generator=augment_generator(round_seed) if training.augment != "none" else None,
         )
         if self.federation.persistent_optimizer:
             self.optimizer_states["__union__"] = optimizer_state

@@ -30,6 +30,7 @@ from ..data.domain import Split
 from ..models.norm import buffers_kept
 from .agc import agc_parameters, clip_unitwise_
 from .aggregation import DivergenceError
+from .augment import BatchAugment, check_augment
 from .client_algorithms import ClientAlgorithm, ClientContext
 from .tasks import CLASSIFICATION, Task
 
@@ -99,8 +100,15 @@ class LocalTraining:
     # as torch.optim.Adam; HarmoFL's segmentation code: Adam lr 1e-4, betas (0.9, 0.99), weight decay 1e-4)
     optimizer: str = "sgd"
     betas: tuple[float, float] = (0.9, 0.999)
+    # training-time augmentation of every training batch, on the uint8 images before ``prepare``
+    # (:mod:`fednorm.methods.augment`): "none", or "fedbn_objects" (FedBN's Office/DomainNet flip + rotation)
+    augment: str = "none"
 
     def __post_init__(self) -> None:
+        check_augment(self.augment)
+        if self.augment != "none" and self.task.kind == "segmentation":
+            raise ValueError(f"augment {self.augment!r} would move the images but not their masks: segmentation "
+                             "has no augmentation (use augment: none)")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.optimizer == "adam" and (self.momentum or self.momentum_style != "pytorch"):
@@ -231,6 +239,7 @@ def train_locally(
     algorithm: "ClientAlgorithm | None" = None,
     context: "ClientContext | None" = None,
     weight_perturbation: float = 0.0,
+    augment_generator: torch.Generator | None = None,
 ) -> tuple[LocalResult, dict]:
     """Train ``model`` in place on ``data``; return the loss statistics and the optimizer state.
 
@@ -249,7 +258,17 @@ def train_locally(
     common SAM practice): the official code's BN keeps none (``track_running_stats=False``, our
     ``model.bn_mode: batch``), so it does not decide this; letting the perturbed pass update them too
     would count every batch twice, the second time with the activations of theta + delta.
+    With ``cfg.augment`` set, every training batch is augmented before ``prepare``
+    (:mod:`fednorm.methods.augment`), with draws from ``augment_generator`` alone (required then): the batch
+    order ``generator`` and the global torch stream draw exactly as without augmentation. The weight
+    perturbation's second pass and a client algorithm's hooks see the step's augmented batch.
     """
+    augment = None
+    if cfg.augment != "none":
+        if augment_generator is None:
+            raise ValueError(f"augment {cfg.augment!r} needs an augment_generator of its own (the engines derive "
+                             "one from the client's round seed: fednorm.engines.seeds.augment_generator)")
+        augment = BatchAugment(cfg.augment, augment_generator)
     model.train()
     if freeze_bn_stats:
         for module in model.modules():
@@ -292,7 +311,8 @@ def train_locally(
         return loss
 
     for step, index in enumerate(schedule):
-        x = prepare(data.x[index])  # on the model's device: ``prepare`` places the batch
+        images = data.x[index] if augment is None else augment(data.x[index])
+        x = prepare(images)  # on the model's device: ``prepare`` places the batch
         y = cfg.task.target(data.y[index]).to(x.device)  # segmentation masks: uint8 -> int64, one batch at a time
         optimizer.zero_grad(set_to_none=True)
         custom = algorithm.compute_gradients(context, model, x, y, forward) if algorithm is not None else None

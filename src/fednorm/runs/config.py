@@ -323,6 +323,11 @@ class TrainingConfig(_Strict):
     dice_background: Literal[DICE_BACKGROUND] = Field(  # type: ignore[valid-type]
         "exclude", description="segmentation Dice score: exclude (foreground Dice, default), include (mean with the "
         "background), code (HarmoFL code's dice_coef exactly)")
+    augment: Literal["none", "fedbn_objects"] = Field(
+        "none", description="training-time augmentation of the training batches only (never evaluation): "
+        "fedbn_objects = FedBN's Office/DomainNet code (FedWon too), per image a horizontal flip with probability "
+        "0.5, then a rotation uniform in [-30, 30] degrees about the centre, nearest, corners black; images only, "
+        "not segmentation (fednorm.methods.augment)")
 
     @model_validator(mode="after")
     def _adam_has_no_sgd_momentum(self) -> "TrainingConfig":
@@ -566,6 +571,13 @@ class ExperimentConfig(_Strict):
         if kind == "features" and self.model.name != "mlp":
             raise ValueError(f"the domains hold feature vectors ({specs[0].benchmark}): use model.name mlp, "
                              f"not {self.model.name}")
+        if self.training.augment != "none" and kind != "classification":
+            # the rotation would have to move a segmentation mask with its image (not implemented); feature vectors
+            # have no image to flip
+            what = ("hold feature vectors" if kind == "features" else
+                    "are segmentation, whose masks would need the same flip and rotation (not implemented)")
+            raise ValueError(f"training.augment {self.training.augment!r} flips and rotates training images; the "
+                             f"domains {what}: use training.augment: none")
         if kind != "features" and self.model.name == "mlp":
             raise ValueError("model mlp takes feature vectors (abide/<site>); image domains need an image model")
         if (kind == "segmentation") != (self.model.name == "unet"):

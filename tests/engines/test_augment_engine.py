@@ -1,0 +1,175 @@
+"""training.augment through the engines: training batches augmented from their own stream, evaluation and external
+clients on the untouched images, augment none bit-identical to a run without the option, every training path."""
+
+import pytest
+import torch
+
+from fednorm.data.domain import ClientData, normalize_batch
+from fednorm.engines.client_step import amplitude_normalizer
+from fednorm.engines.seeds import augment_generator
+from fednorm.engines.simulation import Federation, InProcessEngine
+from fednorm.methods import LocalTraining, resolve_method
+from fednorm.methods.amplitude import AmplitudePrepare
+from fednorm.methods.augment import BatchAugment
+from fednorm.methods.local_update import batch_schedule
+from fednorm.models import DigitCNN
+from fednorm.runs import store
+from fednorm.runs.config import ConfigError, load_config
+from fednorm.runs.runner import build_engine, build_federation_data, resume_run, start_run
+
+from ..conftest import make_split, record_client_messages
+
+AUGMENTED = LocalTraining(batch_size=8, lr=0.05, augment="fedbn_objects")
+# the tiny federation of tests/runs/test_runner.py
+TINY = ["data.domains=[rendered/print, rendered/neon]", "data.rendered_size=300", "data.pool_size=200",
+        "data.percent=0.2", "model.width=0.125", "training.precision=fp32", "federation.rounds=2",
+        "federation.eval_every=1"]
+
+
+def tiny_config(*extra):
+    return load_config("default", TINY + list(extra))
+
+
+def expected_training_inputs(plan, training: LocalTraining) -> list[torch.Tensor]:
+    """The model inputs of a round: each client's batches from its round seed, augmented from the seed's own stream."""
+    out = []
+    for client, instructions in plan:
+        schedule = batch_schedule(client.num_train, training, torch.Generator().manual_seed(instructions.seed), True)
+        augment = BatchAugment(training.augment, augment_generator(instructions.seed))
+        out += [normalize_batch(augment(client.train.x[index])) for index in schedule]
+    return out
+
+
+def test_training_sees_augmented_batches_and_evaluation_the_images(tiny_clients):
+    external = ClientData("ext", "dx", make_split(8, seed=9), make_split(12, seed=19, shift=20.0))
+    seen: list[tuple[str, torch.Tensor]] = []
+    phase = ["train"]
+    torch.manual_seed(0)
+    model = DigitCNN(width=0.125)
+    # a hook, not an attribute: external evaluation deep-copies the model, and the copy keeps calling it
+    model.register_forward_pre_hook(lambda module, args: seen.append((phase[0], args[0].detach().clone())))
+    eng = InProcessEngine(model, tiny_clients, resolve_method("fedbn"), AUGMENTED,
+                          Federation(seed=0, channels_last=False), normalize_batch, external_clients=[external])
+    plan = eng.round_plan(0)
+    eng.run_round()
+    got = [x for p, x in seen if p == "train"]
+    expected = expected_training_inputs(plan, AUGMENTED)
+    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+    first = batch_schedule(24, AUGMENTED, torch.Generator().manual_seed(plan[0][1].seed), True)[0]
+    assert not torch.equal(got[0], normalize_batch(tiny_clients[0].train.x[first]))  # not the plain batch
+    seen.clear()
+    phase[0] = "evaluate"
+    evaluations = eng.evaluate(("test",))
+    assert {e.client for e in evaluations} >= {"c0", "ext:global", "ext:test_time_bn", "ext:fedbn_average"}
+    rows = torch.cat([x for _, x in seen]).flatten(1)
+    images = torch.cat([normalize_batch(c.test.x) for c in [*tiny_clients, external]]).flatten(1)
+    assert all((images == row).all(1).any() for row in rows)  # every evaluated input is an untouched test image
+
+
+def test_harmofl_amplitude_is_taken_on_the_augmented_training_batches(tiny_clients):
+    """Augmentation composes before HarmoFL's amplitude normalization: round 1's client amplitude is the running
+    amplitude of the augmented batches, the uint8 images augmented before /255, amplitude and standardization."""
+    torch.manual_seed(3)
+    eng = InProcessEngine(DigitCNN(width=0.125), tiny_clients, resolve_method("harmofl"), AUGMENTED,
+                          Federation(seed=0, channels_last=False), normalize_batch)
+    messages = record_client_messages(eng)
+    plan = eng.round_plan(0)
+    eng.run_round()
+    for (client, instructions), message in zip(plan, messages):
+        normalizer = amplitude_normalizer(eng.method.amplitude_norm, None).train()
+        augment = BatchAugment("fedbn_objects", augment_generator(instructions.seed))
+        for index in batch_schedule(client.num_train, AUGMENTED, torch.Generator().manual_seed(instructions.seed),
+                                    True):
+            AmplitudePrepare(normalizer)(augment(client.train.x[index]))
+        torch.testing.assert_close(message["amp.client"], normalizer.amplitude, rtol=0, atol=0)
+
+
+def trained(config) -> dict[str, dict[str, torch.Tensor]]:
+    """Each method's global and local states after the config's rounds (the runner's engine, in memory)."""
+    clients = build_federation_data(config, None)
+    out = {}
+    for m in config.methods:
+        engine = build_engine(config, m, config.seeds[0], clients)
+        while engine.round < config.federation.rounds:
+            engine.run_round()
+        out[m.display] = {**engine.global_state,
+                          **{f"{c}.{k}": v for c, s in engine.local_states.items() for k, v in s.items()}}
+    return out
+
+
+def assert_same_states(a, b):
+    assert a.keys() == b.keys()
+    for label in a:
+        assert a[label].keys() == b[label].keys()
+        assert all(torch.equal(a[label][k], b[label][k]) for k in a[label]), label
+
+
+def differs(a, b) -> bool:
+    return any(not torch.equal(a[k], b[k]) for k in a if k in b)
+
+
+def test_augment_none_is_bit_identical_to_a_run_without_the_option():
+    methods = "methods=[fedbn]"  # HarmoFL's prepare: test_harmofl_amplitude_is_taken_on_the_augmented_training_batches
+    absent = tiny_config(methods)
+    assert "augment" not in str(TINY) and absent.training.augment == "none"
+    plain = trained(absent)
+    assert_same_states(trained(tiny_config(methods, "training.augment=none")), plain)
+    augmented = trained(tiny_config(methods, "training.augment=fedbn_objects"))
+    assert all(differs(augmented[label], plain[label]) for label in plain)  # the option does act
+
+
+# every path that trains: per-client (FedBN above), centralized (pooled), centralized BN (union batches), SingleSet,
+# DSGD; the same seed gives the same weights
+@pytest.mark.parametrize("extra", [
+    ["methods=[centralized, singleset]"],
+    ["methods=[centralized_bn]", "training.steps=2"],
+    ["methods=[fedavg]", "federation.pattern=dsgd"],
+])
+def test_every_training_path_augments_reproducibly(extra):
+    on = tiny_config(*extra, "training.augment=fedbn_objects")
+    a, plain = trained(on), trained(tiny_config(*extra))
+    assert_same_states(trained(on), a)
+    assert all(differs(a[label], plain[label]) for label in a)
+
+
+class Stop(Exception):
+    pass
+
+
+def test_a_resumed_augmented_run_equals_an_uninterrupted_one(tmp_path):
+    config = tiny_config("methods=[fedbn]", "training.augment=fedbn_objects", "federation.rounds=3")
+
+    def stop_after_round_2(label, seed, rnd, rounds, last):
+        if rnd == 2:
+            raise Stop()
+
+    start_run(config, tmp_path / "straight")
+    with pytest.raises(Stop):
+        start_run(config, tmp_path / "stopped", progress=stop_after_round_2)
+    cell = "fedbn/seed0"
+    assert store.load_checkpoint(tmp_path / "stopped" / cell / store.CHECKPOINT_FILE)["round"] == 2
+    resume_run(tmp_path / "stopped")
+    assert store.read_metrics(tmp_path / "stopped" / cell / store.METRICS_FILE) == \
+        store.read_metrics(tmp_path / "straight" / cell / store.METRICS_FILE)
+    a, b = (store.load_checkpoint(tmp_path / run / cell / store.CHECKPOINT_FILE) for run in ("stopped", "straight"))
+    assert a["round"] == b["round"] == 3
+    assert_same_states({"global": a["global_state"], **a["local_states"]},
+                       {"global": b["global_state"], **b["local_states"]})
+
+
+@pytest.mark.parametrize("preset, what", [
+    ("fedbn_abide", "hold feature vectors"),
+    ("harmofl_prostate", "are segmentation, whose masks"),
+    ("harmofl_nuclei", "are segmentation, whose masks"),
+])
+def test_config_refuses_augment_off_image_classification(preset, what):
+    with pytest.raises(ConfigError, match=f"training.augment 'fedbn_objects'.*{what}"):
+        load_config(preset, ["training.augment=fedbn_objects"])
+    assert load_config(preset, ["training.augment=none"]).training.augment == "none"
+
+
+def test_config_passes_augment_to_local_training():
+    config = tiny_config("training.augment=fedbn_objects")
+    assert config.training.build(task=config.task()).augment == "fedbn_objects"
+    with pytest.raises(ConfigError, match="training.augment"):
+        tiny_config("training.augment=flip")
