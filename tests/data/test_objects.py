@@ -401,3 +401,24 @@ def test_command_line_prepares_office(office_raw, tmp_path):
     assert result.exit_code == 0, result.output
     assert result.output.count("wrote") == 2
     assert load_domain(f"office_caltech10/webcam@{SIZE}", data_dir=data).train.x.shape == (28, 3, SIZE, SIZE)
+
+
+def test_the_office_presets_build_fedbns_protocol_at_256(office_raw, tmp_path):
+    """fedbn_office / fedwon_office (FedBN and FedWon Table 1): FedBN's lists at 256 x 256, each client trains on
+    the first int(0.5 m) of its train list and validates on the last int(0.4 m), with the code's augmentation; the
+    paper's columns are the clients' names."""
+    from fednorm.runs.config import load_config
+    from fednorm.runs.runner import build_federation_data
+
+    raw, _ = office_raw
+    data = tmp_path / "data"
+    prepare.prepare_office_caltech10(data, raw_dir=raw, download=False, progress=False, size=256)
+    for name in ("fedbn_office", "fedwon_office"):
+        cfg = load_config(name)
+        clients = build_federation_data(cfg, data)
+        assert [c.name for c in clients] == [f"office_caltech10/{d}@256" for d in OFFICE_CALTECH10.domains]
+        assert all(c.train.x.shape[1:] == (3, 256, 256) for c in clients)
+        assert [(c.num_train, len(c.val)) for c in clients] == [(12, 9)] * 4  # m = 24 (dslr's train list)
+        assert cfg.training.augment == "fedbn_objects"
+        for row in cfg.paper.values():
+            assert set(row) == {c.name for c in clients}

@@ -168,3 +168,16 @@ def test_a_paper_variant_keyed_on_an_unknown_setting_is_refused():
     variant = "paper_variants=[{when: {federation.fractoin: 0.2}, paper: {fedavg: {mnist: 1.0}}, paper_source: x}]"
     with pytest.raises(ConfigError, match="'federation.fractoin' is not a config key"):
         load_config("default", [variant])
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_puts_the_papers_numbers_beside_its_own_rows_and_columns(name):
+    """A paper number is shown beside ours only under a method label and a client of the run: a misspelled key
+    (a domain written without its @size, a label the preset does not run) would silently drop it."""
+    cfg = load_config(name)
+    labels = {m.display for m in cfg.methods}
+    columns = set(cfg.data.domains) | {f"{d}:{mode}" for d in cfg.external.domains for mode in cfg.external.modes}
+    for table in [cfg.paper or {}] + [v.paper for v in cfg.paper_variants]:
+        assert set(table) <= labels, f"{name}: paper rows {sorted(set(table) - labels)} are not methods of the preset"
+        for row in table.values():
+            assert set(row) <= columns | {"Avg"}, f"{name}: paper columns {sorted(set(row) - columns - {'Avg'})}"

@@ -717,11 +717,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 # Top-level mappings that describe one thing as a whole: an extending config that gives one replaces it (the paper's
 # numbers of another table must not keep the extended preset's rows or clients).
 _REPLACED_WHOLE = frozenset({"paper"})
+# The paper's numbers, where they come from and their variants are one statement: a config giving any of them
+# drops the extended one's others (its numbers must not be captioned with the other table's source, nor replaced
+# by its variants at some setting).
+_PAPER_KEYS = frozenset({"paper", "paper_source", "paper_variants"})
 
 
 def _merge(base: dict, own: dict, top: bool = True) -> dict:
     """``own`` over ``base``: sections (mappings) merge key by key, anything else (lists included) is replaced, and
-    so is ``paper``."""
+    so is ``paper`` (with ``paper_source`` and ``paper_variants``: giving one drops the base's others)."""
+    if top and _PAPER_KEYS & own.keys():
+        base = {k: v for k, v in base.items() if k not in _PAPER_KEYS}
     merged = dict(base)
     for key, value in own.items():
         nested = isinstance(value, dict) and isinstance(base.get(key), dict) and not (top and key in _REPLACED_WHOLE)
@@ -734,8 +740,9 @@ def _read_document(source: str | Path | None, _chain: tuple[str, ...] = ()) -> d
 
     ``extends: <preset or file>`` starts from that document (itself possibly extending another; a relative file
     path is relative to the extending file's folder) and lays this one over it: sections merge key by key, lists
-    (``methods``, ``seeds``, ``data.domains``), values and ``paper`` (the numbers of one table) are replaced whole.
-    The result holds no ``extends``.
+    (``methods``, ``seeds``, ``data.domains``), values and ``paper`` (the numbers of one table) are replaced whole;
+    giving any of ``paper``, ``paper_source``, ``paper_variants`` drops the extended one's others. The result holds
+    no ``extends``.
     """
     document, where = _read_one(source)
     chain = (*_chain, str(where.resolve()) if where is not None else str(source or "default"))
