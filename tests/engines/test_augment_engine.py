@@ -108,12 +108,24 @@ def differs(a, b) -> bool:
     return any(not torch.equal(a[k], b[k]) for k in a if k in b)
 
 
-def test_augment_none_is_bit_identical_to_a_run_without_the_option():
+def test_augment_none_is_bit_identical_to_a_run_without_the_option(monkeypatch):
     methods = "methods=[fedbn]"  # HarmoFL's prepare: test_harmofl_amplitude_is_taken_on_the_augmented_training_batches
     absent = tiny_config(methods)
     assert "augment" not in str(TINY) and absent.training.augment == "none"
     plain = trained(absent)
-    assert_same_states(trained(tiny_config(methods, "training.augment=none")), plain)
+    # under "none" the engines build no augmentation stream and train_locally no augmentation: nothing draws
+    import fednorm.engines.client_step as client_step
+    import fednorm.engines.simulation as simulation
+    import fednorm.methods.local_update as local_update
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("augment: none built an augmentation")
+
+    with monkeypatch.context() as patch:
+        for module, name in ((client_step, "augment_generator"), (simulation, "augment_generator"),
+                             (local_update, "BatchAugment")):
+            patch.setattr(module, name, refuse)
+        assert_same_states(trained(tiny_config(methods, "training.augment=none")), plain)
     augmented = trained(tiny_config(methods, "training.augment=fedbn_objects"))
     assert all(differs(augmented[label], plain[label]) for label in plain)  # the option does act
 

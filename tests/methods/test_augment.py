@@ -71,7 +71,14 @@ def test_each_image_of_a_batch_gets_its_own_transform():
     assert torch.equal(out, again)  # the same stream gives the same draws
 
 
-def test_augment_none_trains_exactly_as_without_the_option():
+def test_augment_none_trains_exactly_as_without_the_option(monkeypatch):
+    # under "none" nothing of the augmentation may run or draw: it would move the batch order or the global stream
+    import fednorm.methods.local_update as local_update
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("augment: none built an augmentation")
+
+    monkeypatch.setattr(local_update, "BatchAugment", refuse)
     data = make_split(24, seed=1)
     weights = []
     for cfg in (LocalTraining(batch_size=8, lr=0.1), LocalTraining(batch_size=8, lr=0.1, augment="none")):

@@ -164,3 +164,29 @@ def test_memory_probes():
         assert sampler.peak > 0 and sampler.samples >= 2
     assert bench.max_rss_mib() > 0
     assert bench.tensor_bytes({"a": torch.zeros(3), "b": [torch.zeros(2, dtype=torch.float64)], "c": 1}) == 28
+
+
+def test_the_reference_loop_augments_as_the_engine_does(monkeypatch):
+    """With training.augment the reference trains on the very batches the engine trained on, augmented with the
+    same draws: the augmentation is the data pipeline's cost, not engine overhead."""
+    import fednorm.methods.local_update as local_update
+    from fednorm.methods.augment import BatchAugment
+
+    seen = {"engine": [], "reference": []}
+
+    def recording(where):
+        class Recording(BatchAugment):
+            def __call__(self, x):
+                out = super().__call__(x)
+                seen[where].append(out)
+                return out
+        return Recording
+
+    monkeypatch.setattr(local_update, "BatchAugment", recording("engine"))
+    monkeypatch.setattr(bench, "BatchAugment", recording("reference"))
+    cfg = tiny_config("training.augment=fedbn_objects")
+    method_cfg, seed = bench.select_cell(cfg, "fedavg")
+    bench.bench_speed(cfg, method_cfg, seed, build_federation_data(cfg, None), rounds=1, warmup=0)
+    assert len(seen["engine"]) == len(seen["reference"]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(seen["engine"], seen["reference"]))
+    assert not torch.equal(seen["engine"][0], seen["engine"][1])  # augmented batches, not one repeated

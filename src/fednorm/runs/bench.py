@@ -50,6 +50,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..data.domain import ClientData, Split
+from ..engines.seeds import augment_generator
+from ..methods.augment import BatchAugment
 from ..methods.tasks import CLASSIFICATION, Task
 from ..methods.local_update import LocalTraining, batch_schedule, build_optimizer, has_batchnorm, native_bf16
 from . import store
@@ -333,15 +335,17 @@ class PhaseClock:
 # ------------------------------------------------------------------------------------------ reference
 def plain_training(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[Split, torch.Tensor]],
                    prepare: Callable[[torch.Tensor], torch.Tensor], precision: str,
-                   task: Task = CLASSIFICATION) -> tuple[int, float]:
-    """The reference: a plain PyTorch training loop over ``batches`` (split, index) with the task's loss;
-    (samples, seconds)."""
+                   task: Task = CLASSIFICATION,
+                   augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[int, float]:
+    """The reference: a plain PyTorch training loop over ``batches`` (split, index) with the task's loss, each
+    uint8 batch through ``augment`` first when the run augments (its cost is the data pipeline's, not the
+    engine's); (samples, seconds)."""
     model.train()
     use_bf16 = precision == "bf16"
     seen, loss_sum = 0, 0.0
     start = time.perf_counter()
     for data, index in batches:
-        x = prepare(data.x[index])
+        x = prepare(data.x[index] if augment is None else augment(data.x[index]))
         y = task.target(data.y[index])
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
@@ -402,8 +406,11 @@ def bench_speed(config: ExperimentConfig, method_cfg: MethodConfig, seed: int, c
         trained.append((result.num_examples, result.num_steps))
         batches = client_batches(client, instructions.seed, instructions.freeze_bn_stats, result.num_examples,
                                  result.num_steps)
+        augment = None
+        if training.augment != "none":  # the same draws as the engine's, from the client's round seed
+            augment = BatchAugment(training.augment, augment_generator(instructions.seed))
         samples, seconds = plain_training(reference_model, reference_opt, batches, engine.prepare,
-                                          training.precision, training.task)
+                                          training.precision, training.task, augment)
         ref["s"] += seconds
         ref["samples"] += samples
         ref["excluded"] += time.perf_counter() - start
