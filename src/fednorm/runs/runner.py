@@ -461,9 +461,10 @@ def _write_run_info(run_dir: Path, data_dir: Path | None, config: ExperimentConf
 
 
 def preflight(config: ExperimentConfig, clients: list[ClientData]) -> None:
-    """Build every method's engine and score two images with its model before the run folder is written, so a
+    """Build every method's engine and score two samples with its model before the run folder is written, so a
     method, model or data that do not fit fail as a config error (which a resume could not get past once the
-    config is frozen in the folder), not after the cells before it have trained."""
+    config is frozen in the folder), not after the cells before it have trained. ``clients`` may be a Flower
+    server's roster (zero samples of the clients' shapes): the in-process engine it builds is the server's."""
     from .config import ConfigError
 
     for method_cfg in config.methods:
@@ -530,7 +531,9 @@ def start_run(
         if needs_data_folder(config):
             resolved = resolve_data_dir(data_dir or config.data.data_dir)
         clients = build_federation_data(config, resolved)  # before writing anything: bad data leaves no folder
-        preflight(config, clients)
+    # also over a Flower server's roster, whose samples are zeros of the clients' shapes: enough to build and run
+    # every method's model
+    preflight(config, clients)
     run_dir.mkdir(parents=True, exist_ok=True)
     with run_lock(run_dir):
         if (run_dir / store.CONFIG_FILE).exists():  # started by another process since the check above

@@ -120,3 +120,14 @@ def test_resume_commands_read_the_config_from_the_run_folder_and_refuse_a_missin
     assert "resume = true" in text and "rounds: 4" in text
     write_app(tmp_path / "app2", load_config("default"), tmp_path / "x")
     assert "resume = false" in (tmp_path / "app2" / "pyproject.toml").read_text()
+
+
+def test_a_method_that_cannot_run_fails_on_flower_before_the_run_folder_is_written(tmp_path):
+    """The preflight runs over the server's roster too (zero samples of the clients' shapes): a model that does not
+    fit the images fails as a config error at the start, not after the cells before it have trained."""
+    from fednorm.runs.config import ConfigError
+
+    config = tiny_config("methods=[fedavg, fedbn]", "model.name=densenet121")  # 28 x 28 digits: pools too small
+    with pytest.raises(ConfigError, match="method 'fedavg' cannot run on this config"):
+        run_flower(config, tmp_path / "run", None)
+    assert not (tmp_path / "run" / "config.yaml").exists()
