@@ -145,3 +145,15 @@ def test_focal_loss_by_hand_and_flambys_isic_weights():
     assert correct == 1 and total == pytest.approx(sum(by_hand), rel=1e-6)
     with pytest.raises(ValueError, match="classification loss"):
         build_task("segmentation", "focal")
+
+
+def test_the_isic_preset_trains_with_flambys_weighted_focal_loss():
+    """fedwon_isic2019 (FedWon Table 11): the loss local training receives is FLamby's weighted focal loss."""
+    from fednorm.methods.tasks import FLAMBY_ISIC_FOCAL_ALPHA
+    from fednorm.runs.config import load_config
+
+    cfg = load_config("fedwon_isic2019")
+    training = cfg.training.build(cfg.task())
+    assert training.task.loss_name == "focal" and training.task.focal_alpha == FLAMBY_ISIC_FOCAL_ALPHA
+    with pytest.raises(Exception, match="segmentation"):
+        load_config("harmofl_prostate", ["training.loss=focal"])
