@@ -18,13 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..data.federation import check_domain, check_medical_options, domain_task, image_size, num_classes, parse_domain
 from ..engines.device import DEVICE_PATTERN, resolve_device
 from ..methods.aggregation import WEIGHTINGS
+from ..methods.augment import AUGMENTS
 from ..methods.local_update import LocalTraining, native_bf16, resolve_channels_last, resolve_precision
 from ..methods.policy import POLICIES
 from ..methods.presets import PRESETS, Method, resolve_method
 from ..methods.robust import ATTACKS
 from ..methods.server import ROBUST_RULES, SERVER_OPTIMIZERS, SERVER_RULES
 from ..methods.tasks import DICE_BACKGROUND, LOSSES, Task, build_task
-from ..models.alexnet import MIN_INPUT as ALEXNET_MIN_INPUT
+from ..models.alexnet import MIN_INPUT as ALEXNET_MIN_INPUT, PRETRAINED
 from ..models.norm import BATCHNORM_KINDS, NORM_KINDS
 from ..models.registry import MODEL_NAMES, build_model
 from ..models.wsconv import WSConv2d
@@ -110,7 +111,7 @@ class ModelConfig(_Strict):
         "at evaluation too; no BN state for FedBN to keep local); running = the usual BatchNorm")
     code_zero_pad: bool = Field(
         False, description="densenet121 only: the HarmoFL code's ZeroPad2d(2) after the first dense block")
-    pretrained: Literal["none", "imagenet"] = Field(
+    pretrained: Literal[PRETRAINED] = Field(  # type: ignore[valid-type]
         "none", description="alexnet only: imagenet = convs and FC1, FC2 from torchvision's ImageNet AlexNet "
         "(UniFed CIFAR-10-C), class layer and normalization layers fresh; needs width 1 and a norm other than ws")
     input_size: int | None = Field(
@@ -323,7 +324,7 @@ class TrainingConfig(_Strict):
     dice_background: Literal[DICE_BACKGROUND] = Field(  # type: ignore[valid-type]
         "exclude", description="segmentation Dice score: exclude (foreground Dice, default), include (mean with the "
         "background), code (HarmoFL code's dice_coef exactly)")
-    augment: Literal["none", "fedbn_objects"] = Field(
+    augment: Literal[AUGMENTS] = Field(  # type: ignore[valid-type]
         "none", description="training-time augmentation of the training batches only (never evaluation): "
         "fedbn_objects = FedBN's Office/DomainNet code (FedWon too), per image a horizontal flip with probability "
         "0.5, then a rotation uniform in [-30, 30] degrees about the centre, nearest, corners black; images only, "
