@@ -157,3 +157,85 @@ def test_the_isic_preset_trains_with_flambys_weighted_focal_loss():
     assert training.task.loss_name == "focal" and training.task.focal_alpha == FLAMBY_ISIC_FOCAL_ALPHA
     with pytest.raises(Exception, match="segmentation"):
         load_config("harmofl_prostate", ["training.loss=focal"])
+
+
+def _class_logits(predictions: list[int], classes: int) -> torch.Tensor:
+    return F.one_hot(torch.tensor(predictions), classes).float() * 5.0
+
+
+def test_balanced_accuracy_is_the_mean_recall_of_the_classes_present_whatever_the_batches():
+    """FLamby's Fed-ISIC2019 score (sklearn's balanced_accuracy_score): class 0 has 3 of 4 right, class 1 1 of 2,
+    class 2 0 of 1, so (3/4 + 1/2 + 0) / 3; class 3 is predicted but absent from the labels, so it is left out."""
+    from fednorm.methods.tasks import Scorer
+
+    y = torch.tensor([0, 0, 0, 0, 1, 1, 2])
+    predicted = [0, 0, 0, 3, 1, 0, 1]
+    logits = _class_logits(predicted, 4)
+    task = build_task("classification", metric="balanced_accuracy")
+    assert task.metric == "balanced_accuracy"
+    by_hand = (3 / 4 + 1 / 2 + 0) / 3
+    for cuts in ([7], [3, 4], [1, 1, 5], [2, 2, 2, 1]):
+        scorer = Scorer(task)
+        start = 0
+        for size in cuts:
+            scorer.add(logits[start:start + size], y[start:start + size])
+            start += size
+        score, loss = scorer.result()
+        assert score == pytest.approx(by_hand, abs=1e-12)
+        assert loss == pytest.approx(float(F.cross_entropy(logits, y)), rel=1e-6)  # the task's loss, per sample
+    plain = Scorer(build_task("classification"))  # accuracy: 4 of 7
+    plain.add(logits, y)
+    assert plain.result()[0] == pytest.approx(4 / 7)
+    assert Scorer(task).result() == (0.0, 0.0)  # an empty split
+
+
+def test_the_metric_option_and_its_errors():
+    assert build_task("classification", metric="auto").metric == "accuracy"
+    assert build_task("segmentation", benchmark="prostate", metric="auto").metric == "dice"
+    assert build_task("segmentation", benchmark="prostate", metric="dice").metric == "dice"
+    with pytest.raises(ValueError, match="scores class labels, but the domains are a segmentation"):
+        build_task("segmentation", metric="balanced_accuracy")
+    with pytest.raises(ValueError, match="'dice' scores masks"):
+        build_task("classification", metric="dice")
+    with pytest.raises(ValueError, match="unknown classification metric"):
+        Task(classification_metric="f1")
+
+
+def test_the_isic_preset_scores_balanced_accuracy_and_the_engine_reports_it(tiny_clients):
+    """fedwon_isic2019 scores FLamby's balanced accuracy; an engine with that task reports it for internal clients
+    (evaluate_split) and external ones (every mode), named so in the evaluations."""
+    from fednorm.engines.simulation import Federation, InProcessEngine
+    from fednorm.methods import resolve_method
+    from fednorm.methods.external import evaluate_external
+    from fednorm.methods.tasks import Scorer
+    from fednorm.models import DigitCNN
+    from fednorm.runs.config import load_config
+
+    assert load_config("fedwon_isic2019").task().metric == "balanced_accuracy"
+    assert load_config("fedwon_isic2019", ["training.metric=accuracy"]).task().metric == "accuracy"
+    task = build_task("classification", metric="balanced_accuracy")
+    torch.manual_seed(0)
+    eng = InProcessEngine(DigitCNN(width=0.125), tiny_clients[:2], resolve_method("fedavg"),
+                          LocalTraining(batch_size=8, lr=0.05, task=task),
+                          Federation(seed=0, channels_last=False, eval_batch_size=3), normalize_batch)
+    eng.external_clients, eng.external_modes = [tiny_clients[2]], ("global", "test_time_bn")
+    eng.run_round()
+    evaluations = eng.evaluate(("test",))
+    assert {e.metric for e in evaluations} == {"balanced_accuracy"}
+    eng.model.load_state_dict(eng.global_state)
+    eng.model.eval()
+    for client in tiny_clients[:2]:
+        with torch.no_grad():
+            logits = eng.model(normalize_batch(client.test.x))
+        whole = Scorer(task)
+        whole.add(logits, client.test.y)
+        score = next(e.accuracy for e in evaluations if e.client == client.name)
+        assert score == pytest.approx(whole.result()[0], abs=1e-9)  # batches of 3, scored as one split
+    external = tiny_clients[2]
+    expected = evaluate_external(eng.model, external.test, normalize_batch, "global", task=task).accuracy
+    with torch.no_grad():
+        logits = eng.model(normalize_batch(external.test.x))
+    whole = Scorer(task)
+    whole.add(logits, external.test.y)
+    assert expected == pytest.approx(whole.result()[0], abs=1e-9)
+    assert next(e.accuracy for e in evaluations if e.client == f"{external.name}:global") == pytest.approx(expected)

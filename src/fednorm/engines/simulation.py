@@ -324,23 +324,21 @@ class InProcessEngine:
     # ---------------------------------------------------------------- evaluation
     @torch.inference_mode()
     def evaluate_split(self, data: Split, prepare=None) -> tuple[float, float]:
-        """(main score, mean loss) of the working model on ``data``, in eval mode: accuracy and cross-entropy for
-        classification, mean per-image Dice and the task's loss for segmentation (``training.task``)."""
+        """(main score, mean loss) of the working model on ``data``, in eval mode: accuracy (or balanced accuracy)
+        and the task's loss for classification, mean per-image Dice and the task's loss for segmentation
+        (``training.task``)."""
         prepare = prepare or self.prepare
         task = self.training.task
         self.model.eval()
-        correct, loss_sum = 0, 0.0
+        scorer = task.scorer()
         use_bf16 = self.training.precision == "bf16"
         for start in range(0, len(data), self.federation.eval_batch_size):
             x = prepare(data.x[start : start + self.federation.eval_batch_size])
             y = task.target(data.y[start : start + self.federation.eval_batch_size]).to(x.device)
             with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=use_bf16):
                 logits = self.model(x).float()
-            score, loss = task.evaluation_sums(logits, y)
-            loss_sum += loss
-            correct += score
-        n = max(len(data), 1)
-        return correct / n, loss_sum / n
+            scorer.add(logits, y)
+        return scorer.result()
 
     def evaluate(self, splits: Iterable[str] = ("test", "val")) -> list[Evaluation]:
         """Every evaluation client's metrics with its own model (global state plus its local state)."""
@@ -388,7 +386,7 @@ class InProcessEngine:
                 result = self.evaluate_external_client(client, mode, bn, prepare)
                 if result is not None:
                     out.append(Evaluation(f"{client.name}:{mode}", "test", result.accuracy, result.loss,
-                                          result.num_examples))
+                                          result.num_examples, self.training.task.metric))
         return out
 
     @property
@@ -416,7 +414,7 @@ class InProcessEngine:
         if len(data) == 0:
             return None
         return evaluate_external(self.model, data, prepare, mode, bn, states,
-                                 eval_batch_size=self.federation.eval_batch_size)
+                                 eval_batch_size=self.federation.eval_batch_size, task=self.training.task)
 
     # ---------------------------------------------------------------- diagnostics
     def gradient_dissimilarity(self, samples: int = 256) -> Dissimilarity:

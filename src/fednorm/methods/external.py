@@ -43,11 +43,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..data.domain import Split
+from .tasks import CLASSIFICATION, Scorer, Task
 
 EXTERNAL_MODES = ("global", "test_time_bn", "fedbn_average")
 MOMENTUM_CONVENTIONS = ("history", "pytorch")
@@ -105,8 +105,8 @@ FEDBN_APPENDIX_G = ExternalBN(momentum=None, predict="after_pass")
 
 @dataclass(frozen=True)
 class ExternalResult:
-    accuracy: float
-    loss: float  # mean cross-entropy
+    accuracy: float  # the task's score: accuracy unless the task says balanced accuracy (or Dice)
+    loss: float  # mean of the task's loss (cross-entropy by default)
     num_examples: int
 
 
@@ -183,25 +183,21 @@ def _attach_trackers(model: nn.Module, bn: ExternalBN, mode: str) -> list:
     return [layer.register_forward_pre_hook(_StatisticsTracker(bn)) for layer in _require_bn(model, mode).values()]
 
 
-def _metrics(logits: Tensor, y: Tensor) -> tuple[int, float]:
-    logits, y = logits.float(), y.to(logits.device)
-    return int((logits.argmax(1) == y).sum()), float(F.cross_entropy(logits, y, reduction="sum"))
-
-
-def _result(correct: int, loss_sum: float, n: int) -> ExternalResult:
-    return ExternalResult(correct / max(n, 1), loss_sum / max(n, 1), n)
+def _result(scorer: Scorer) -> ExternalResult:
+    score, loss = scorer.result()
+    return ExternalResult(score, loss, scorer.count)
 
 
 @torch.no_grad()
 def evaluate_global(model: nn.Module, data: Split, prepare: Callable[[Tensor], Tensor],
-                    batch_size: int = 500) -> ExternalResult:
+                    batch_size: int = 500, task: Task = CLASSIFICATION) -> ExternalResult:
     """Mode ``global``: the model as it is, in eval mode (its own BN statistics)."""
     net = copy.deepcopy(model).eval()
-    correct, loss_sum = 0, 0.0
+    scorer = task.scorer()
     for index in batch_order(len(data), batch_size):
-        c, l = _metrics(net(prepare(data.x[index])), data.y[index])
-        correct, loss_sum = correct + c, loss_sum + l
-    return _result(correct, loss_sum, len(data))
+        x = prepare(data.x[index])
+        scorer.add(net(x), task.target(data.y[index]).to(x.device))
+    return _result(scorer)
 
 
 @torch.no_grad()
@@ -222,27 +218,27 @@ def reestimate_bn_statistics(model: nn.Module, data: Split, prepare: Callable[[T
 
 @torch.no_grad()
 def evaluate_test_time_bn(model: nn.Module, data: Split, prepare: Callable[[Tensor], Tensor],
-                          bn: ExternalBN = ExternalBN()) -> ExternalResult:
+                          bn: ExternalBN = ExternalBN(), task: Task = CLASSIFICATION) -> ExternalResult:
     """Mode ``test_time_bn``: UniFed's test-time BN statistics, predictions ``online`` (each batch with the
     statistics just updated with it) or ``after_pass``; labels are used for the metrics only."""
+    scorer = task.scorer()
     if len(data) == 0:
-        return _result(0, 0.0, 0)
+        return _result(scorer)
     batches = batch_order(len(data), bn.batch_size, bn.shuffle_seed)
     if bn.predict == "after_pass":
         net = reestimate_bn_statistics(model, data, prepare, bn)
     else:
         net = copy.deepcopy(model).eval()
         handles = _attach_trackers(net, bn, "test_time_bn")
-    correct, loss_sum = 0, 0.0
     try:
         for index in batches:
-            c, l = _metrics(net(prepare(data.x[index])), data.y[index])
-            correct, loss_sum = correct + c, loss_sum + l
+            x = prepare(data.x[index])
+            scorer.add(net(x), task.target(data.y[index]).to(x.device))
     finally:
         if bn.predict == "online":
             for h in handles:
                 h.remove()
-    return _result(correct, loss_sum, len(data))
+    return _result(scorer)
 
 
 def bn_affine_keys(model: nn.Module) -> list[str]:
@@ -285,27 +281,27 @@ def average_bn_affine(model: nn.Module, client_states: list[dict[str, Tensor]],
 @torch.no_grad()
 def evaluate_fedbn_average(model: nn.Module, data: Split, prepare: Callable[[Tensor], Tensor],
                            client_states: list[dict[str, Tensor]], weights: list[float] | None = None,
-                           bn: ExternalBN = FEDBN_APPENDIX_G) -> ExternalResult:
+                           bn: ExternalBN = FEDBN_APPENDIX_G, task: Task = CLASSIFICATION) -> ExternalResult:
     """Mode ``fedbn_average``: the internal clients' averaged BN affine parameters, statistics from the
     external client's data (population statistics over one pass, then prediction, by default)."""
     net = copy.deepcopy(model)
     net.load_state_dict(average_bn_affine(net, client_states, weights), strict=False)
-    return evaluate_test_time_bn(net, data, prepare, bn)
+    return evaluate_test_time_bn(net, data, prepare, bn, task)
 
 
 def evaluate_external(model: nn.Module, data: Split, prepare: Callable[[Tensor], Tensor],
                       mode: str = "test_time_bn", bn: ExternalBN | None = None,
                       client_states: list[dict[str, Tensor]] | None = None, weights: list[float] | None = None,
-                      eval_batch_size: int = 500) -> ExternalResult:
-    """One external client's accuracy and loss under ``mode`` (one of EXTERNAL_MODES). ``bn`` defaults to
-    UniFed's settings for test_time_bn and to FEDBN_APPENDIX_G for fedbn_average; ``client_states`` (the
-    internal clients' BN parameters) is needed by fedbn_average only."""
+                      eval_batch_size: int = 500, task: Task = CLASSIFICATION) -> ExternalResult:
+    """One external client's score and loss under ``mode`` (one of EXTERNAL_MODES), by ``task`` (accuracy and
+    cross-entropy by default). ``bn`` defaults to UniFed's settings for test_time_bn and to FEDBN_APPENDIX_G for
+    fedbn_average; ``client_states`` (the internal clients' BN parameters) is needed by fedbn_average only."""
     if mode == "global":
-        return evaluate_global(model, data, prepare, eval_batch_size)
+        return evaluate_global(model, data, prepare, eval_batch_size, task)
     if mode == "test_time_bn":
-        return evaluate_test_time_bn(model, data, prepare, bn or ExternalBN())
+        return evaluate_test_time_bn(model, data, prepare, bn or ExternalBN(), task)
     if mode == "fedbn_average":
         if client_states is None:
             raise ValueError("mode 'fedbn_average' needs client_states: the internal clients' BN weight and bias")
-        return evaluate_fedbn_average(model, data, prepare, client_states, weights, bn or FEDBN_APPENDIX_G)
+        return evaluate_fedbn_average(model, data, prepare, client_states, weights, bn or FEDBN_APPENDIX_G, task)
     raise ValueError(f"unknown external evaluation mode {mode!r}; choose one of {', '.join(EXTERNAL_MODES)}")

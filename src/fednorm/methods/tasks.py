@@ -5,7 +5,9 @@ score?", so the rest of fednorm does not care whether a batch holds class labels
 
 * ``classification`` (images or feature vectors): cross-entropy, accuracy. The loss is exactly the
   ``F.cross_entropy(logits.float(), y)`` the loop always used, so classification numbers do not
-  change by going through a task. ``focal`` is the weighted focal loss of FLamby's Fed-ISIC2019 baseline
+  change by going through a task. The score is accuracy, or ``balanced_accuracy`` (the mean over the
+  classes present in a split of each class's recall, sklearn's ``balanced_accuracy_score``: FLamby's
+  Fed-ISIC2019 metric, where one class holds half the images). ``focal`` is the weighted focal loss of FLamby's Fed-ISIC2019 baseline
   (FedWon Table 11): ``mean(-alpha_y (1 - p_y)^2 log p_y)``, with FLamby's class weights ``alpha`` on
   Fed-ISIC2019 and no weights elsewhere; its evaluation loss is the same focal loss.
 * ``segmentation`` (HarmoFL's nuclei and prostate tasks): logits ``N x K x H x W`` against integer
@@ -44,6 +46,14 @@ from .segmentation import DICE_SMOOTH, ce_dice_loss, dice_loss, dice_score
 TASK_KINDS = ("classification", "segmentation")
 LOSSES = ("ce", "dice", "ce_dice", "focal")
 CLASSIFICATION_LOSSES = ("ce", "focal")
+CLASSIFICATION_METRICS = ("accuracy", "balanced_accuracy")
+METRICS = ("auto", *CLASSIFICATION_METRICS, "dice")  # training.metric
+
+
+def metric_label(metric: str) -> str:
+    """A score's name as tables and plots print it."""
+    return {"dice": "Dice", "balanced_accuracy": "balanced accuracy"}.get(metric, metric)
+
 # FLamby fed_isic2019 BaselineLoss (the weighted focal loss FedWon Table 11 trains with): class weights of the 8
 # classes in FLamby's label order (MEL, NV, BCC, AK, BKL, DF, VASC, SCC) and gamma 2
 FLAMBY_ISIC_FOCAL_ALPHA = (5.5813, 2.0472, 7.0204, 26.1194, 9.5369, 101.0707, 92.5224, 38.3443)
@@ -62,6 +72,7 @@ class Task:
     loss_name: str = "ce"
     dice_background: str = "exclude"
     focal_alpha: tuple[float, ...] | None = None  # focal loss: per-class weights (None: unweighted)
+    classification_metric: str = "accuracy"  # accuracy or balanced_accuracy (segmentation always scores Dice)
 
     def __post_init__(self) -> None:
         if self.kind not in TASK_KINDS:
@@ -75,13 +86,22 @@ class Task:
             raise ValueError("loss 'focal' is a classification loss; segmentation trains with ce, dice or ce_dice")
         if self.focal_alpha is not None and self.loss_name != "focal":
             raise ValueError(f"focal_alpha weighs the focal loss, not {self.loss_name!r}")
+        if self.classification_metric not in CLASSIFICATION_METRICS:
+            raise ValueError(f"unknown classification metric {self.classification_metric!r}; choose one of "
+                             f"{', '.join(CLASSIFICATION_METRICS)}")
+        if self.kind == "segmentation" and self.classification_metric != "accuracy":
+            raise ValueError(f"{self.classification_metric} scores class labels; segmentation is scored by Dice")
         if self.dice_background not in DICE_BACKGROUND:
             raise ValueError(f"dice_background must be one of {', '.join(DICE_BACKGROUND)}, got {self.dice_background!r}")
 
     @property
     def metric(self) -> str:
         """Name of the main score (what the ``acc`` field of an evaluation holds)."""
-        return "accuracy" if self.kind == "classification" else "dice"
+        return self.classification_metric if self.kind == "classification" else "dice"
+
+    def scorer(self) -> "Scorer":
+        """A fresh accumulator of this task's score and loss over the batches of one split."""
+        return Scorer(self)
 
     def target(self, y: torch.Tensor) -> torch.Tensor:
         """A batch's labels as the loss wants them: class labels unchanged, uint8 masks as int64."""
@@ -124,6 +144,51 @@ class Task:
 CLASSIFICATION = Task()
 
 
+class Scorer:
+    """A split's main score and mean loss, accumulated batch by batch (:meth:`Task.scorer`).
+
+    Accuracy and Dice are means over samples (sums divided by the split size at the end, so the batch size
+    does not matter); balanced accuracy is not, so it keeps each class's hits and support and averages the
+    recalls of the classes present in the split (absent classes are left out, as sklearn does) at the end.
+    """
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+        self.score_sum, self.loss_sum, self.count = 0.0, 0.0, 0
+        self.hits: torch.Tensor | None = None  # per class (balanced accuracy only)
+        self.support: torch.Tensor | None = None
+
+    def add(self, logits: torch.Tensor, y: torch.Tensor) -> None:
+        """One batch: ``logits`` of the model and the task's targets ``y`` (:meth:`Task.target`)."""
+        logits = logits.float()
+        score, loss = self.task.evaluation_sums(logits, y)
+        self.score_sum, self.loss_sum, self.count = self.score_sum + score, self.loss_sum + loss, self.count + len(y)
+        if self.task.metric == "balanced_accuracy":
+            k = logits.shape[1]
+            y_cpu = y.detach().to("cpu", torch.int64)
+            hit = (logits.argmax(1).to("cpu") == y_cpu)
+            support = torch.bincount(y_cpu, minlength=k)
+            hits = torch.bincount(y_cpu[hit], minlength=k)
+            if self.support is None:
+                self.hits, self.support = hits, support
+            elif len(support) != len(self.support):
+                raise ValueError(f"a batch has {len(support)} classes after batches with {len(self.support)}: the "
+                                 "model's output width changed within a split")
+            else:
+                self.hits, self.support = self.hits + hits, self.support + support
+
+    def result(self) -> tuple[float, float]:
+        """(score, mean loss) over the samples added; (0, 0) for an empty split."""
+        n = max(self.count, 1)
+        if self.task.metric == "balanced_accuracy":
+            if self.support is None:
+                return 0.0, 0.0
+            present = self.support > 0
+            recall = self.hits[present].double() / self.support[present].double()
+            return float(recall.mean()), self.loss_sum / n
+        return self.score_sum / n, self.loss_sum / n
+
+
 def focal_loss(logits: torch.Tensor, y: torch.Tensor, alpha: tuple[float, ...] | None = None,
                gamma: float = FOCAL_GAMMA, reduction: str = "mean") -> torch.Tensor:
     """Focal loss (Lin et al. 2017) of class logits ``N x K``: ``-alpha_y (1 - p_y)^gamma log p_y`` per sample, as
@@ -139,8 +204,9 @@ def focal_loss(logits: torch.Tensor, y: torch.Tensor, alpha: tuple[float, ...] |
 
 
 def build_task(kind: str = "classification", loss: str = "auto", dice_background: str = "exclude",
-               benchmark: str | None = None) -> Task:
-    """The task of a run: ``kind`` from its domains, ``loss`` from ``training.loss``.
+               benchmark: str | None = None, metric: str = "auto") -> Task:
+    """The task of a run: ``kind`` from its domains, ``loss`` from ``training.loss``, the score from
+    ``training.metric`` (``auto``: accuracy for classification, Dice for segmentation).
 
     ``loss="auto"``: ``ce`` for classification; for segmentation the paper's loss of ``benchmark``
     (:data:`PAPER_SEGMENTATION_LOSS`), else CE + Dice.
@@ -154,9 +220,15 @@ def build_task(kind: str = "classification", loss: str = "auto", dice_background
     if kind == "segmentation" and loss == "focal":
         raise ValueError("training.loss 'focal' is a classification loss, but the domains are a segmentation task "
                          "(loss: ce, dice, ce_dice or auto)")
+    if kind == "segmentation" and metric not in ("auto", "dice"):
+        raise ValueError(f"training.metric {metric!r} scores class labels, but the domains are a segmentation task "
+                         "(metric: auto or dice)")
+    if kind == "classification" and metric == "dice":
+        raise ValueError("training.metric 'dice' scores masks, but the domains are a classification task (metric: "
+                         f"auto, {' or '.join(CLASSIFICATION_METRICS)})")
     # FLamby's class weights on Fed-ISIC2019 (their order is its label order); an unweighted focal loss elsewhere
     alpha = FLAMBY_ISIC_FOCAL_ALPHA if loss == "focal" and benchmark == "fed_isic2019" else None
-    return Task(kind, loss, dice_background, alpha)
+    return Task(kind, loss, dice_background, alpha, "accuracy" if metric in ("auto", "dice") else metric)
 
 
 def prepare_features(x: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from ..methods.policy import POLICIES
 from ..methods.presets import PRESETS, Method, resolve_method
 from ..methods.robust import ATTACKS
 from ..methods.server import ROBUST_RULES, SERVER_OPTIMIZERS, SERVER_RULES
-from ..methods.tasks import DICE_BACKGROUND, LOSSES, Task, build_task
+from ..methods.tasks import DICE_BACKGROUND, LOSSES, METRICS, Task, build_task
 from ..models.alexnet import MIN_INPUT as ALEXNET_MIN_INPUT, PRETRAINED
 from ..models.norm import BATCHNORM_KINDS, NORM_KINDS
 from ..models.registry import MODEL_NAMES, build_model
@@ -321,6 +321,10 @@ class TrainingConfig(_Strict):
     loss: Literal[("auto",) + LOSSES] = Field(  # type: ignore[valid-type]
         "auto", description="auto: ce for classification, the paper's loss for segmentation (nuclei dice, prostate "
         "ce_dice); ce, dice (soft Dice incl. background) or ce_dice ((CE + Dice) / 2) for segmentation")
+    metric: Literal[METRICS] = Field(  # type: ignore[valid-type]
+        "auto", description="the score evaluations report: auto (accuracy for classification, Dice for "
+        "segmentation), accuracy, balanced_accuracy (mean per-class recall over the classes present in a split: "
+        "FLamby's Fed-ISIC2019 metric), dice")
     dice_background: Literal[DICE_BACKGROUND] = Field(  # type: ignore[valid-type]
         "exclude", description="segmentation Dice score: exclude (foreground Dice, default), include (mean with the "
         "background), code (HarmoFL code's dice_coef exactly)")
@@ -342,9 +346,10 @@ class TrainingConfig(_Strict):
         one, a Dice loss means segmentation and anything else classification. ``device`` is the type of the
         device training runs on (``cpu`` or ``cuda``), for ``precision: auto``."""
         values = self.model_dump()
-        loss, background = values.pop("loss"), values.pop("dice_background")
+        loss, background, metric = values.pop("loss"), values.pop("dice_background"), values.pop("metric")
         if task is None:
-            task = build_task("segmentation" if loss in ("dice", "ce_dice") else "classification", loss, background)
+            task = build_task("segmentation" if loss in ("dice", "ce_dice") else "classification", loss, background,
+                              metric=metric)
         values["task"] = task
         values["precision"] = resolve_precision(self.precision, device)
         values["betas"] = tuple(values["betas"])
@@ -525,7 +530,7 @@ class ExperimentConfig(_Strict):
         (images or feature vectors); its loss from ``training.loss`` (see :func:`fednorm.methods.tasks.build_task`)."""
         kind, benchmark = domain_task(self.data.domains)
         return build_task("segmentation" if kind == "segmentation" else "classification", self.training.loss,
-                          self.training.dice_background, benchmark)
+                          self.training.dice_background, benchmark, self.training.metric)
 
     def _check_external(self) -> None:
         """External clients (UniFed: domains that never trained) are other domains than the federation's, of the
@@ -554,7 +559,7 @@ class ExperimentConfig(_Strict):
         try:
             task = self.task()
         except ValueError as exc:
-            raise ValueError(f"training.loss: {exc}") from None
+            raise ValueError(f"training.loss / training.metric: {exc}") from None
         medical = any(s.medical for s in specs)
         d = self.data
         if medical:

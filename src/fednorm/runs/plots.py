@@ -12,6 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ..methods.tasks import metric_label  # noqa: E402
 from . import store  # noqa: E402
 
 
@@ -31,7 +32,7 @@ def _series(records: list[dict], split: str, key: str) -> dict[str, tuple[list[i
 def _score(records: list[dict]) -> str:
     """What the records' ``acc`` holds: accuracy, or Dice for segmentation (their ``metric``)."""
     metric = next((r["metric"] for r in records if "metric" in r), "accuracy")
-    return {"dice": "Dice"}.get(metric, metric)
+    return metric_label(metric)
 
 
 def plot_cell(records: list[dict], cell: Path) -> None:

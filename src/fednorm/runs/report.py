@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..methods.tasks import metric_label
 from . import store
 
 DAGGER = "†"
@@ -38,7 +39,7 @@ class ResultsTable:
 
     @property
     def score_label(self) -> str:
-        return {"dice": "Dice"}.get(self.score, self.score)
+        return metric_label(self.score)
 
     def cell(self, method: str, column: str) -> tuple[float, float, int] | None:
         values = self.rows.get(method, {}).get(column)

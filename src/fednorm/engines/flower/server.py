@@ -260,6 +260,7 @@ class FlowerEngine:
         self.run_id = run_id
         self.participation_path = None if cell_dir is None else Path(cell_dir) / PARTICIPATION_FILE
         self._participation_checked = False  # rounds after the cell's checkpoint are dropped at the first write
+        self._warned_balanced = False  # the balanced-accuracy validation approximation is logged once
 
     @property
     def round(self) -> int:
@@ -455,6 +456,13 @@ class FlowerEngine:
                 dropped[key] = str(exc)
         for domain, keys in val_parts.items():  # the domain's validation pieces, combined by size
             pieces = [e for e in found.get(domain, []) if e.split == "val"]
+            if len(pieces) > 1 and pieces[0].metric == "balanced_accuracy" and not self._warned_balanced:
+                # exact for accuracy and Dice (means over samples); balanced accuracy is a mean of per-class
+                # recalls, so the size-weighted mean of the pieces' scores only approximates the domain's. It
+                # picks the selected round only (the test split is scored whole, by the domain's first client).
+                log(WARNING, "fednorm: a domain's validation balanced accuracy is the size-weighted mean of its "
+                    "clients' pieces (an approximation of the balanced accuracy of the whole split)")
+                self._warned_balanced = True
             found[domain] = [e for e in found.get(domain, []) if e.split != "val"]
             total = sum(e.num_examples for e in pieces)
             if total:
