@@ -178,6 +178,11 @@ def test_config_refuses_augment_off_image_classification(preset, what):
     with pytest.raises(ConfigError, match=f"training.augment 'fedbn_objects'.*{what}"):
         load_config(preset, ["training.augment=fedbn_objects"])
     assert load_config(preset, ["training.augment=none"]).training.augment == "none"
+    if what.startswith("are segmentation"):  # the quarter-turn augmentation moves the masks too
+        assert load_config(preset, ["training.augment=rot90_flip"]).training.augment == "rot90_flip"
+    else:
+        with pytest.raises(ConfigError, match="training.augment 'rot90_flip'.*hold feature vectors"):
+            load_config(preset, ["training.augment=rot90_flip"])
 
 
 def test_config_passes_augment_to_local_training():

@@ -94,3 +94,22 @@ def test_amplitude_methods_refuse_an_input_pipeline_they_would_replace(tiny_clie
         raise AssertionError("a HarmoFL engine accepted a pipeline its amplitude step would replace")
     InProcessEngine(DigitCNN(width=0.125), tiny_clients, resolve_method("fedavg"), TRAIN,
                     Federation(seed=0, channels_last=False), imagenet)  # without AmpNorm the pipeline is kept
+
+
+def test_amplitude_normalization_follows_the_runs_input_normalization(tiny_clients):
+    """With data.input_norm unit (HarmoFL's Camelyon17 code: ToTensor only) the amplitude-normalized images are
+    not standardized afterwards: the evaluation input is the amplitude-normalized [0, 1] image itself."""
+    from fednorm.data.domain import input_normalization
+
+    torch.manual_seed(3)
+    eng = InProcessEngine(DigitCNN(width=0.125), tiny_clients, resolve_method("harmofl"), TRAIN,
+                          Federation(seed=0, channels_last=False), input_normalization("unit"))
+    eng.run_round()
+    images = tiny_clients[2].test.x[:4]
+    got = eng.runner.evaluation_prepare(eng.input_state)(images)
+    torch.testing.assert_close(amplitude(got), eng.input_state["amp.global"].expand(4, -1, -1, -1),
+                               rtol=1e-3, atol=1e-3)
+    half = InProcessEngine(DigitCNN(width=0.125), tiny_clients, resolve_method("harmofl"), TRAIN,
+                           Federation(seed=0, channels_last=False), normalize_batch)
+    half.input_state = eng.input_state
+    torch.testing.assert_close(half.runner.evaluation_prepare(half.input_state)(images), (got - 0.5) / 0.5)

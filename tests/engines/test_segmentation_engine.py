@@ -152,3 +152,34 @@ def test_scaffold_option_one_on_segmentation_is_the_task_losss_gradient():
     with pytest.raises(ValueError, match="classification only"):
         InProcessEngine(UNet(width=0.125), site, resolve_method("perfedavg"), LocalTraining(batch_size=4, task=task),
                         Federation(seed=0, channels_last=False), normalize_batch)
+
+
+def test_rot90_flip_trains_on_masks_moved_with_their_images(monkeypatch):
+    """training.augment rot90_flip on segmentation: the loss sees each augmented image with its own augmented mask
+    (the synthetic masks are exactly the bright rectangle, so a mask that stayed behind would not match)."""
+    import fednorm.methods.local_update as local_update
+
+    pairs = []
+
+    class Recording(local_update.BatchAugment):
+        def pair(self, x, y):
+            out = super().pair(x, y)
+            pairs.append(out)
+            return out
+
+    monkeypatch.setattr(local_update, "BatchAugment", Recording)
+    torch.manual_seed(0)
+    training = LocalTraining(batch_size=4, lr=0.05, task=Task("segmentation", "ce_dice"), augment="rot90_flip")
+    eng = InProcessEngine(UNet(width=0.125), clients(2), resolve_method("fedavg"), training,
+                          Federation(seed=0, channels_last=False), normalize_batch)
+    eng.run_round()
+    assert len(pairs) == 4  # 2 clients x 8 images / batch 4
+    originals = [m for c in eng.clients for m in c.train.y]
+    moved = 0
+    for images, masks in pairs:
+        # the rectangle is 120 brighter than the noise (at most 60 + shift): its pixels are the mask
+        for img, mask in zip(images, masks):
+            bright = img[0].float() > img[0].float().min() + 90
+            assert torch.equal(bright, mask.bool())
+            moved += int(not any(torch.equal(mask, m) for m in originals))
+    assert moved > 0  # the augmentation did turn or flip masks (with their images)

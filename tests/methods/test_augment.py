@@ -101,3 +101,53 @@ def test_refusals():
                       generator=torch.Generator(), prepare=normalize_batch)
     with pytest.raises(ValueError, match="uint8 N x C x H x W.*feature vectors"):
         BatchAugment("fedbn_objects", torch.Generator())(torch.rand(4, 12))
+
+
+def test_rot90_flip_is_the_harmofl_codes_numpy_rotation_and_cv2_flip_per_image():
+    """HarmoFL's prostate augmentation: np.rot90(img, k) on the H, W axes, then cv2.flip(img, d): d = 0 reverses the
+    rows, 1 the columns, -1 both; code 2 here means no flip. The image and its mask get the same transform."""
+    import numpy as np
+
+    from fednorm.methods.augment import rot90_flip
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (10, 3, 6, 6), dtype=torch.uint8, generator=g)
+    turns = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 1, 0])
+    codes = torch.tensor([2, 0, 1, -1, 0, 1, -1, 2, 2, -1])
+    out = rot90_flip(x, turns, codes)
+    for i in range(10):
+        img = np.rot90(x[i].permute(1, 2, 0).numpy(), int(turns[i]))  # HWC, as the code's numpy arrays
+        img = {2: img, 0: img[::-1], 1: img[:, ::-1], -1: img[::-1, ::-1]}[int(codes[i])]
+        assert torch.equal(out[i], torch.from_numpy(img.copy()).permute(2, 0, 1))
+    masks = (x[:, 0] > 128).to(torch.uint8)
+    augment = BatchAugment("rot90_flip", torch.Generator().manual_seed(1))
+    images, moved = augment.pair(x, masks)
+    assert torch.equal(moved, (images[:, 0] > 128).to(torch.uint8))  # each mask went where its image went
+    labels = torch.arange(10)
+    assert torch.equal(BatchAugment("rot90_flip", torch.Generator()).pair(x, labels)[1], labels)  # class labels stay
+    with pytest.raises(ValueError, match="must be square"):
+        rot90_flip(torch.zeros(2, 3, 4, 6, dtype=torch.uint8), torch.zeros(2, dtype=torch.long),
+                   torch.zeros(2, dtype=torch.long))
+
+
+def test_rot90_flip_draws_follow_the_codes_randint_and_flip_probability():
+    """k = random.randint(0, 4) (inclusive: 4 is a full turn, so no turn has probability 2/5), a flip with
+    probability 0.75, its code uniform in {-1, 0, 1}."""
+    from fednorm.methods.augment import draw_rot90_flip
+
+    n = 200_000
+    turns, codes = draw_rot90_flip(n, torch.Generator().manual_seed(0))
+    share = torch.bincount(turns, minlength=4).double() / n
+    torch.testing.assert_close(share, torch.tensor([0.4, 0.2, 0.2, 0.2], dtype=torch.float64), atol=0.005, rtol=0)
+    flipped = codes != 2
+    assert abs(flipped.double().mean() - 0.75) < 0.005
+    by_code = torch.stack([(codes == c).double().mean() for c in (-1, 0, 1)])
+    torch.testing.assert_close(by_code, torch.full((3,), 0.25, dtype=torch.float64), atol=0.005, rtol=0)
+
+
+def test_fedbn_objects_refuses_masks_and_rot90_flip_is_allowed_for_segmentation():
+    segmentation = build_task("segmentation", "dice")
+    assert LocalTraining(augment="rot90_flip", task=segmentation).augment == "rot90_flip"
+    x = torch.zeros(2, 3, 8, 8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="not their masks"):
+        BatchAugment("fedbn_objects", torch.Generator()).pair(x, torch.zeros(2, 8, 8, dtype=torch.uint8))

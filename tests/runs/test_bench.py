@@ -176,9 +176,9 @@ def test_the_reference_loop_augments_as_the_engine_does(monkeypatch):
 
     def recording(where):
         class Recording(BatchAugment):
-            def __call__(self, x):
-                out = super().__call__(x)
-                seen[where].append(out)
+            def pair(self, x, y):
+                out = super().pair(x, y)
+                seen[where].append(out[0])
                 return out
         return Recording
 

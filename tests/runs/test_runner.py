@@ -527,3 +527,12 @@ def test_a_damaged_config_or_checkpoint_is_named_not_replaced_by_defaults(tmp_pa
     (tmp_path / "run" / "fedavg" / "seed0" / "checkpoint.pt").write_bytes(b"cut off")
     with pytest.raises(CorruptFileError, match="checkpoint.*unreadable.*delete it"):
         resume_run(tmp_path / "run", rounds=2)
+
+
+def test_the_configured_input_normalization_reaches_the_engine():
+    from fednorm.runs.runner import build_engine, build_federation_data
+
+    config = tiny_config("data.input_norm=unit")
+    engine = build_engine(config, config.methods[0], 0, build_federation_data(config, None))
+    x = engine.clients[0].train.x[:3]
+    torch.testing.assert_close(engine.prepare(x), x.float() / 255)

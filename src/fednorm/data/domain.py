@@ -79,6 +79,38 @@ class ClientData:
         return len(self.train)
 
 
+# ``data.input_norm``: the per-channel (mean, std) a uint8 batch is standardized with after /255
+INPUT_NORMS: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
+    "half": ((0.5,), (0.5,)),  # [-1, 1]: FedBN's digits code, Normalize((0.5,) * 3, (0.5,) * 3)
+    "unit": ((0.0,), (1.0,)),  # [0, 1], ToTensor only: FedBN's Office-Caltech-10 / DomainNet code
+    "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),  # torchvision's ImageNet weights; FLamby's Normalize
+    "raw": ((0.0,), (1.0 / 255.0,)),  # [0, 255], the uint8 values as floats: HarmoFL's prostate code
+}
+
+
+@dataclass(frozen=True)
+class Standardize:
+    """The ``prepare`` step of image domains: uint8 (N, C, H, W) -> /255 -> (x - mean) / std per channel.
+
+    One mean and std for every channel, or one per channel (``imagenet``: RGB images only)."""
+
+    mean: tuple[float, ...] = (0.5,)
+    std: tuple[float, ...] = (0.5,)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.mean) > 1 and x.shape[1] != len(self.mean):
+            raise ValueError(f"the input normalization has {len(self.mean)} channel means, the images have "
+                             f"{x.shape[1]} channels: data.input_norm imagenet is for RGB images (use half or unit)")
+        return normalize_batch(x, self.mean, self.std)
+
+
+def input_normalization(name: str = "half") -> Standardize:
+    """The ``prepare`` step named by ``data.input_norm`` (:data:`INPUT_NORMS`)."""
+    if name not in INPUT_NORMS:
+        raise ValueError(f"unknown input normalization {name!r}; choose one of {', '.join(INPUT_NORMS)}")
+    return Standardize(*INPUT_NORMS[name])
+
+
 def normalize_batch(
     x: torch.Tensor, mean: tuple[float, ...] = (0.5,), std: tuple[float, ...] = (0.5,)
 ) -> torch.Tensor:

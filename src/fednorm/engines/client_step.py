@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..data.domain import ClientData, normalize_batch
+from ..data.domain import ClientData, Standardize, normalize_batch
 from ..methods.amplitude import AmplitudeNormalizer, AmplitudePrepare, average_amplitudes
 from ..methods.client_algorithms import ClientAlgorithm, ClientContext
 from ..methods.local_update import LocalResult, LocalTraining, train_locally
@@ -58,12 +58,14 @@ class ClientRunner:
         """``prepare`` turns a uint8 batch into the model input; ``place`` (the model's device and memory
         format) is applied after it, and after the amplitude normalization that replaces ``prepare`` for
         HarmoFL's methods (which runs on the host)."""
-        if method.amplitude_norm and prepare is not normalize_batch:
-            # AmplitudePrepare replaces the input pipeline with /255 -> amplitude -> normalize_batch's (0.5, 0.5)
+        if method.amplitude_norm and prepare is not normalize_batch and not isinstance(prepare, Standardize):
+            # AmplitudePrepare replaces the input pipeline with /255 -> amplitude -> the same per-channel
             # standardization; another pipeline would be silently dropped
-            raise ValueError(f"method {method.name!r} normalizes image amplitudes between /255 and the standardization "
-                             "of normalize_batch (mean 0.5, std 0.5); it cannot follow another input pipeline "
-                             f"({getattr(prepare, '__name__', type(prepare).__name__)}): pass normalize_batch")
+            raise ValueError(f"method {method.name!r} normalizes image amplitudes between /255 and the per-channel "
+                             "standardization (normalize_batch, Standardize); it cannot follow another input pipeline "
+                             f"({getattr(prepare, '__name__', type(prepare).__name__)}): pass a Standardize")
+        # the standardization amplitude normalization is followed by (normalize_batch: mean 0.5, std 0.5)
+        self.standardize = prepare if isinstance(prepare, Standardize) else Standardize()
         self.model, self.method, self.training = model, method, training
         self.device = next(model.parameters()).device
         self.place = place or (lambda x: x.to(self.device))
@@ -121,7 +123,8 @@ class ClientRunner:
                                  "use a method without amplitude_norm for feature vectors")
             normalizer = amplitude_normalizer(self.method.amplitude_norm, (input_state or {}).get("amp.global"))
             normalizer.train()
-            prepare = lambda x: self.place(AmplitudePrepare(normalizer)(x))  # noqa: E731
+            amplitude_prepare = AmplitudePrepare(normalizer, self.standardize.mean, self.standardize.std)
+            prepare = lambda x: self.place(amplitude_prepare(x))  # noqa: E731
         sgd_momentum = training.momentum if training.optimizer == "sgd" else 0.0
         context = ClientContext(
             client.name, training.lr, self.shared_params, shared_global, server_state,
@@ -171,7 +174,8 @@ class ClientRunner:
         if not self.method.amplitude_norm or amp is None:
             return self.prepare
         normalizer = amplitude_normalizer(self.method.amplitude_norm, amp).eval()
-        return lambda x: self.place(AmplitudePrepare(normalizer, update=False)(x))
+        amplitude_prepare = AmplitudePrepare(normalizer, self.standardize.mean, self.standardize.std, update=False)
+        return lambda x: self.place(amplitude_prepare(x))
 
 
 def amplitude_normalizer(variant: str, global_amplitude: torch.Tensor | None) -> AmplitudeNormalizer:

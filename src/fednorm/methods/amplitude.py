@@ -325,6 +325,9 @@ class AmplitudePrepare:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.uint8:
             raise TypeError(f"AmplitudePrepare expects uint8 images (as fednorm's Split stores them), got {x.dtype}")
+        if len(self.mean) > 1 and x.shape[1] != len(self.mean):
+            raise ValueError(f"the standardization has {len(self.mean)} channel means, the images have {x.shape[1]} "
+                             "channels")
         out = self.normalizer(x.float().div_(255.0), update=self.update)
         m = torch.tensor(self.mean, dtype=out.dtype, device=out.device).view(1, -1, 1, 1)
         s = torch.tensor(self.std, dtype=out.dtype, device=out.device).view(1, -1, 1, 1)

@@ -25,7 +25,21 @@ pixels (random images of 28 to 256 pixels); the reference here is torchvision's 
 one a tensor pipeline has. Cost: 3 % of an AlexNet training step (batch 32, 64 or 256 pixels, on this
 repository's busy 2-core CPU); a per-image torchvision loop is 15-65x slower than the batched call.
 
-The draws (the batch's flips, then its angles) come from a generator of their own (the engines seed
+``rot90_flip`` is the training augmentation of HarmoFL's prostate code (``RandomRotate90`` then
+``RandomFlip`` in ``utils/dataset.py``; the paper: "random rotation by {0, 90, 180, 270} degrees and
+horizontal or vertical flips", after Liu et al. 2020), applied to each image *and its mask* alike:
+
+- ``np.rot90(img, k)`` with ``k = random.randint(0, 4)``, Python's inclusive randint, so k in {0, ..., 4} and
+  k = 4 is the identity again: no rotation with probability 2/5, 90, 180, 270 degrees (counter-clockwise) with
+  1/5 each. This bias of the code is kept; square images only (a quarter turn of a non-square image changes its
+  shape);
+- then with probability 0.75 ``cv2.flip(img, d)``, ``d = random.randint(-1, 1)``: 0 flips the rows (vertical),
+  1 the columns (horizontal), -1 both.
+
+Classification labels pass through unchanged; segmentation masks (N x H x W) get the image's rotation and flip.
+
+The draws (the batch's flips, then its angles; for ``rot90_flip`` the quarter turns, then whether to flip, then
+the flip codes) come from a generator of their own (the engines seed
 it from the client's round seed, :mod:`fednorm.engines.seeds`), never from the one that orders the
 batches, so ``none`` leaves every run as it was. The official code draws from torch's global
 generator inside its data loader: the distribution is the same, the stream is not reproduced.
@@ -38,9 +52,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-AUGMENTS = ("none", "fedbn_objects")
+AUGMENTS = ("none", "fedbn_objects", "rot90_flip")
+MASK_AUGMENTS = ("none", "rot90_flip")  # those that move a segmentation mask with its image
 FLIP_PROBABILITY = 0.5
 MAX_DEGREES = 30.0
+ROT90_CHOICES = 5  # HarmoFL code: random.randint(0, 4), k = 4 a full turn
+ROT90_FLIP_PROBABILITY = 0.75  # HarmoFL code: RandomFlip(prob=0.75)
 
 
 def check_augment(name: str) -> None:
@@ -101,17 +118,60 @@ def flip_rotate(x: torch.Tensor, flip: torch.Tensor, angle: torch.Tensor) -> tor
     return out.to(torch.uint8)
 
 
+def draw_rot90_flip(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` independent draws of (quarter turns k, flip code): k uniform in {0, ..., 4} (4 = no turn), then flip
+    with probability 0.75, then the code uniform in {-1, 0, 1}; no flip is coded 2. All of the batch's k
+    first, then its flip decisions, then its codes, from ``generator`` alone."""
+    turns = torch.randint(0, ROT90_CHOICES, (n,), generator=generator) % 4
+    flips = torch.rand(n, generator=generator, dtype=torch.float64) < ROT90_FLIP_PROBABILITY
+    codes = torch.randint(-1, 2, (n,), generator=generator)
+    return turns, torch.where(flips, codes, torch.full_like(codes, 2))
+
+
+def rot90_flip(x: torch.Tensor, turns: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """Each image (or mask) of ``x`` (N x ... x H x W, square) turned ``turns`` quarter turns counter-clockwise
+    (``np.rot90`` on its H, W axes) and then flipped by its cv2 ``codes``: 0 rows, 1 columns, -1 both, 2 none."""
+    if x.shape[-1] != x.shape[-2]:
+        raise ValueError(f"rot90_flip turns images by quarter turns: they must be square, got {x.shape[-2]} x "
+                         f"{x.shape[-1]}")
+    if len(turns) != len(x) or len(codes) != len(x):
+        raise ValueError(f"one turn and one flip code per image: got {len(turns)} and {len(codes)} for {len(x)}")
+    out = x.clone()
+    for k in (1, 2, 3):
+        chosen = (turns == k).nonzero().flatten().to(x.device)
+        if len(chosen):
+            out[chosen] = torch.rot90(out[chosen], k, dims=(-2, -1))
+    for code, dims in ((0, (-2,)), (1, (-1,)), (-1, (-2, -1))):
+        chosen = (codes == code).nonzero().flatten().to(x.device)
+        if len(chosen):
+            out[chosen] = out[chosen].flip(dims)
+    return out
+
+
 class BatchAugment:
-    """The training batches' augmentation ``name`` with its own random stream: call it on each uint8 batch,
-    in training order."""
+    """The training batches' augmentation ``name`` with its own random stream: call it on each uint8 batch
+    and its targets, in training order."""
 
     def __init__(self, name: str, generator: torch.Generator) -> None:
         check_augment(name)
         self.name, self.generator = name, generator
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The augmented images of a uint8 batch (their targets untouched: classification)."""
+        return self.pair(x, None)[0]
+
+    def pair(self, x: torch.Tensor, y: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(augmented images, targets): class labels unchanged, segmentation masks (N x H x W) moved with their
+        images (``rot90_flip``; the other augmentations refuse masks)."""
         if self.name == "none":
-            return x
+            return x, y
         _check_batch(x)
+        masks = y is not None and y.ndim == 3
+        if self.name == "rot90_flip":
+            turns, codes = draw_rot90_flip(len(x), self.generator)
+            return rot90_flip(x, turns, codes), (rot90_flip(y, turns, codes) if masks else y)
+        if masks:
+            raise ValueError(f"augment {self.name!r} would move the images but not their masks: use rot90_flip or "
+                             "none for segmentation")
         flip, angle = draw_flip_rotate(len(x), self.generator)
-        return flip_rotate(x, flip, angle)
+        return flip_rotate(x, flip, angle), y

@@ -30,7 +30,7 @@ from ..data.domain import Split
 from ..models.norm import buffers_kept
 from .agc import agc_parameters, clip_unitwise_
 from .aggregation import DivergenceError
-from .augment import BatchAugment, check_augment
+from .augment import MASK_AUGMENTS, BatchAugment, check_augment
 from .client_algorithms import ClientAlgorithm, ClientContext
 from .tasks import CLASSIFICATION, Task
 
@@ -101,14 +101,15 @@ class LocalTraining:
     optimizer: str = "sgd"
     betas: tuple[float, float] = (0.9, 0.999)
     # training-time augmentation of every training batch, on the uint8 images before ``prepare``
-    # (:mod:`fednorm.methods.augment`): "none", or "fedbn_objects" (FedBN's Office/DomainNet flip + rotation)
+    # (:mod:`fednorm.methods.augment`): "none", "fedbn_objects" (FedBN's Office/DomainNet flip + rotation), or
+    # "rot90_flip" (HarmoFL's prostate code: quarter turns and flips, masks moved with their images)
     augment: str = "none"
 
     def __post_init__(self) -> None:
         check_augment(self.augment)
-        if self.augment != "none" and self.task.kind == "segmentation":
+        if self.augment not in MASK_AUGMENTS and self.task.kind == "segmentation":
             raise ValueError(f"augment {self.augment!r} would move the images but not their masks: segmentation "
-                             "has no augmentation (use augment: none)")
+                             f"takes {' or '.join(MASK_AUGMENTS)}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.optimizer == "adam" and (self.momentum or self.momentum_style != "pytorch"):
@@ -311,9 +312,11 @@ def train_locally(
         return loss
 
     for step, index in enumerate(schedule):
-        images = data.x[index] if augment is None else augment(data.x[index])
+        images, targets = data.x[index], data.y[index]
+        if augment is not None:
+            images, targets = augment.pair(images, targets)
         x = prepare(images)  # on the model's device: ``prepare`` places the batch
-        y = cfg.task.target(data.y[index]).to(x.device)  # segmentation masks: uint8 -> int64, one batch at a time
+        y = cfg.task.target(targets).to(x.device)  # segmentation masks: uint8 -> int64, one batch at a time
         optimizer.zero_grad(set_to_none=True)
         custom = algorithm.compute_gradients(context, model, x, y, forward) if algorithm is not None else None
         if custom is None:

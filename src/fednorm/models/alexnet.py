@@ -22,7 +22,9 @@ added after each convolution and fully-connected layer", CIFAR images "resized i
   the class layer and every normalization layer stay freshly initialised, since UniFed *adds* the BN
   layers (how it initialises them is not stated: PyTorch's default, weight 1 and bias 0, is used). It
   needs the papers' model (``width=1``, 3 input channels) and plain convolutions (``norm="ws"``
-  would standardize the pretrained filters, so it is refused).
+  would standardize the pretrained filters, so it is refused). The weights expect ImageNet-standardized
+  inputs: the ``unifed_cifar10c_*`` presets set ``data.input_norm: imagenet`` (the model does not
+  standardize its inputs itself).
 - ``input_size`` resizes every batch to ``input_size x input_size`` at the start of :meth:`forward`
   (bilinear, ``align_corners=False``, no antialiasing: when upsampling, torchvision's ``Resize`` on
   tensors up to float rounding), so 32 x 32 CIFAR images reach the network at 224 x 224 without a

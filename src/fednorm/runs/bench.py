@@ -345,8 +345,11 @@ def plain_training(model: nn.Module, optimizer: torch.optim.Optimizer, batches: 
     seen, loss_sum = 0, 0.0
     start = time.perf_counter()
     for data, index in batches:
-        x = prepare(data.x[index] if augment is None else augment(data.x[index]))
-        y = task.target(data.y[index])
+        images, targets = data.x[index], data.y[index]
+        if augment is not None:
+            images, targets = augment.pair(images, targets)
+        x = prepare(images)
+        y = task.target(targets)
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
             logits = model(x)

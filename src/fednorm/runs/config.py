@@ -15,10 +15,11 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..data.domain import INPUT_NORMS
 from ..data.federation import check_domain, check_medical_options, domain_task, image_size, num_classes, parse_domain
 from ..engines.device import DEVICE_PATTERN, resolve_device
 from ..methods.aggregation import WEIGHTINGS
-from ..methods.augment import AUGMENTS
+from ..methods.augment import AUGMENTS, MASK_AUGMENTS
 from ..methods.local_update import LocalTraining, native_bf16, resolve_channels_last, resolve_precision
 from ..methods.policy import POLICIES
 from ..methods.presets import PRESETS, Method, resolve_method
@@ -73,6 +74,11 @@ class DataConfig(_Strict):
     medical_options: dict[str, Any] = Field(
         default_factory=dict, description="medical domains: options of the sites' loader, e.g. {split_by: slide} "
         "(Camelyon17), {fold: 1} (ABIDE), {val_fraction: 0.1} (Fed-ISIC2019); its seed is split_seed")
+    input_norm: Literal[tuple(INPUT_NORMS)] = Field(  # type: ignore[valid-type]
+        "half", description="images' per-channel standardization after /255: half = (x - 0.5) / 0.5, [-1, 1] (FedBN's "
+        "digits code; the default); unit = [0, 1], ToTensor only (FedBN's Office / DomainNet code); imagenet = "
+        "torchvision's ImageNet mean and std, RGB only (pretrained weights, FLamby); raw = [0, 255] (HarmoFL's "
+        "prostate code)")
     standardize_features: bool = Field(
         True, description="feature-vector domains (ABIDE): standardize each site with its own training mean/std "
         "(Fed_ABIDE's per-site sepnorm)")
@@ -332,7 +338,9 @@ class TrainingConfig(_Strict):
         "none", description="training-time augmentation of the training batches only (never evaluation): "
         "fedbn_objects = FedBN's Office/DomainNet code (FedWon too), per image a horizontal flip with probability "
         "0.5, then a rotation uniform in [-30, 30] degrees about the centre, nearest, corners black; images only, "
-        "not segmentation (fednorm.methods.augment)")
+        "not segmentation; rot90_flip = HarmoFL's prostate code, k quarter turns (k uniform in 0-4, 4 = none) then "
+        "with probability 0.75 a flip of the rows, the columns or both, masks moved with their images "
+        "(fednorm.methods.augment)")
 
     @model_validator(mode="after")
     def _adam_has_no_sgd_momentum(self) -> "TrainingConfig":
@@ -577,15 +585,25 @@ class ExperimentConfig(_Strict):
         if kind == "features" and self.model.name != "mlp":
             raise ValueError(f"the domains hold feature vectors ({specs[0].benchmark}): use model.name mlp, "
                              f"not {self.model.name}")
-        if self.training.augment != "none" and kind != "classification":
-            # the rotation would have to move a segmentation mask with its image (not implemented); feature vectors
-            # have no image to flip
+        augment = self.training.augment
+        if augment != "none" and (kind == "features" or (kind == "segmentation" and augment not in MASK_AUGMENTS)):
+            # fedbn_objects' free-angle rotation does not move a segmentation mask with its image (not implemented);
+            # feature vectors have no image to flip
             what = ("hold feature vectors" if kind == "features" else
-                    "are segmentation, whose masks would need the same flip and rotation (not implemented)")
-            raise ValueError(f"training.augment {self.training.augment!r} flips and rotates training images; the "
-                             f"domains {what}: use training.augment: none")
+                    "are segmentation, whose masks would need the same flip and rotation (rot90_flip moves them)")
+            raise ValueError(f"training.augment {augment!r} flips and rotates training images; the "
+                             f"domains {what}: use training.augment: none" + (" or rot90_flip" if kind != "features"
+                                                                              else ""))
         if kind != "features" and self.model.name == "mlp":
             raise ValueError("model mlp takes feature vectors (abide/<site>); image domains need an image model")
+        if d.input_norm != "half":
+            if kind == "features":
+                raise ValueError(f"data.input_norm {d.input_norm!r} standardizes images; feature vectors are "
+                                 "standardized per site (data.standardize_features): leave input_norm at half")
+            gray = sorted({s.name for s in specs if s.input_shape and s.input_shape[0] != 3})
+            if d.input_norm == "imagenet" and gray:
+                raise ValueError(f"data.input_norm imagenet has one mean per RGB channel; {', '.join(gray)} are not "
+                                 "RGB: use half or unit")
         if (kind == "segmentation") != (self.model.name == "unet"):
             raise ValueError(f"model {self.model.name} does not fit the {task.kind} domains: segmentation "
                              "(prostate, nuclei) needs model.name unet, and unet only does segmentation")

@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from ..data.datafolder import resolve_data_dir
-from ..data.domain import ClientData, normalize_batch
+from ..data.domain import ClientData, input_normalization
 from ..data.prepare import check_data_files
 from ..data.federation import (build_clients, domain_eval_clients, image_size, is_rendered, load_domain, load_pool,
                                num_classes, parse_domain, pooled_client)
@@ -216,7 +216,8 @@ def build_engine(
     if config.diagnostics.drift:
         training = replace(training, track_drift=True)
     return InProcessEngine(
-        model, train_clients, method, training, federation, prepare_features if features else normalize_batch,
+        model, train_clients, method, training, federation,
+        prepare_features if features else input_normalization(config.data.input_norm),
         eval_clients=evaluation_clients(config, clients, method_cfg),
         external_clients=external,
         external_modes=tuple(config.external.modes),
