@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 import torchvision.transforms.functional as TF
 from torch import nn
 from torchvision.transforms import InterpolationMode
@@ -151,3 +152,86 @@ def test_fedbn_objects_refuses_masks_and_rot90_flip_is_allowed_for_segmentation(
     x = torch.zeros(2, 3, 8, 8, dtype=torch.uint8)
     with pytest.raises(ValueError, match="not their masks"):
         BatchAugment("fedbn_objects", torch.Generator()).pair(x, torch.zeros(2, 8, 8, dtype=torch.uint8))
+
+
+def _flamby_identity(n: int, side: int, top: int = 12, left: int = 12) -> dict:
+    """flamby_isic draws with every optional step off and the crop at (top, left)."""
+    f = torch.float64
+    return {"size": torch.full((n,), side), "angle": torch.zeros(n, dtype=f), "alpha": torch.ones(n, dtype=f),
+            "beta": torch.zeros(n, dtype=f), "code": torch.full((n,), 2), "shear_x": torch.zeros(n, dtype=f),
+            "shear_y": torch.zeros(n, dtype=f), "top": torch.full((n,), top), "left": torch.full((n,), left),
+            "dropped": torch.zeros(n, dtype=torch.bool), "corners": torch.zeros(n, 0, 2, dtype=torch.long)}
+
+
+def _images224(n: int = 2) -> torch.Tensor:
+    return torch.randint(0, 256, (n, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+
+
+def test_flamby_isic_steps_one_at_a_time_against_their_definitions():
+    """FLamby's Fed-ISIC2019 training transform, step by step on 224 x 224 images: the crop alone is the
+    200 x 200 window; a 90-degree rotation is np.rot90 (counter-clockwise as displayed, cv2's sign); flip code 1
+    reverses the columns; a resize is bilinear resampling of pixel centres (torch's interpolate, no antialias);
+    contrast and brightness give round(x alpha + 255 beta) clipped; a hole is a black 16 x 16 square."""
+    from fednorm.methods.augment import flamby_isic
+
+    x = _images224()
+    base = _flamby_identity(2, 224, top=3, left=17)
+    out = flamby_isic(x, base)
+    assert out.shape == (2, 3, 200, 200) and torch.equal(out, x[..., 3:203, 17:217])
+    turned = flamby_isic(x, {**base, "angle": torch.full((2,), 90.0, dtype=torch.float64)})
+    assert torch.equal(turned, torch.rot90(x, 1, dims=(-2, -1))[..., 3:203, 17:217])
+    flipped = flamby_isic(x, {**base, "code": torch.tensor([1, 0])})
+    assert torch.equal(flipped[0], x[0].flip(-1)[..., 3:203, 17:217])
+    assert torch.equal(flipped[1], x[1].flip(-2)[..., 3:203, 17:217])
+    scaled = flamby_isic(x, {**base, "size": torch.full((2,), 212), "left": torch.full((2,), 10)})
+    resized = F.interpolate(x.float(), size=(212, 212), mode="bilinear", align_corners=False)
+    expected = resized.round().clamp(0, 255)[..., 3:203, 10:210]
+    assert (scaled.float() - expected).abs().max() <= 1  # one resampling against torch's, up to rounding
+    adjusted = flamby_isic(x, {**base, "alpha": torch.full((2,), 1.1, dtype=torch.float64),
+                                "beta": torch.full((2,), -0.15, dtype=torch.float64)})
+    by_hand = (x[..., 3:203, 17:217].float() * 1.1 - 0.15 * 255).round().clamp(0, 255)
+    assert (adjusted.float() - by_hand).abs().max() <= 1  # float32 sampling: a half-integer may round either way
+    holes = {**base, "dropped": torch.tensor([True, False]), "corners": torch.tensor([[[0, 0], [100, 150]]] * 2)}
+    cut = flamby_isic(x, holes)
+    assert (cut[0, :, :16, :16] == 0).all() and (cut[0, :, 100:116, 150:166] == 0).all()
+    assert torch.equal(cut[1], out[1])  # no cut-out where the step did not apply
+    untouched = torch.ones(200, 200, dtype=torch.bool)
+    untouched[:16, :16] = untouched[100:116, 150:166] = False
+    assert torch.equal(cut[0][:, untouched], out[0][:, untouched])
+
+
+def test_flamby_isic_draws_follow_flambys_ranges_and_probabilities():
+    from fednorm.methods.augment import draw_flamby_isic
+
+    n = 40_000
+    d = draw_flamby_isic(n, 224, holes=3, generator=torch.Generator().manual_seed(0))
+    scaled = d["scale"] != 1
+    assert abs(scaled.double().mean() - 0.5) < 0.02  # each optional step with probability 0.5
+    assert float((d["scale"] - 1).abs().max()) <= 0.07
+    assert torch.equal(d["size"], torch.floor(224 * d["scale"] + 1e-9).long())  # albumentations' int(224 s)
+    rotated = d["angle"] != 0
+    assert abs(rotated.double().mean() - 0.5) < 0.02 and float(d["angle"].abs().max()) <= 50
+    assert float((d["alpha"] - 1).abs().max()) <= 0.1 and float(d["beta"].abs().max()) <= 0.15
+    assert abs((d["code"] != 2).double().mean() - 0.5) < 0.02
+    assert float(d["shear_x"].abs().max()) <= 0.1
+    assert abs(d["dropped"].double().mean() - 0.5) < 0.02 and d["corners"].shape == (n, 3, 2)
+    assert int(d["corners"].max()) == 200 - 16 and int(d["corners"].min()) == 0
+    room = d["size"] - 200
+    assert bool((d["top"] <= room).all()) and bool((d["left"] <= room).all()) and int(d["top"].min()) == 0
+    with pytest.raises(ValueError, match="too small"):
+        draw_flamby_isic(8, 200, 1, torch.Generator().manual_seed(0))
+
+
+def test_flamby_isic_trains_on_200_crops_with_one_hole_count_per_client_round():
+    from fednorm.methods.augment import FLAMBY_MAX_HOLES
+
+    counts = {BatchAugment("flamby_isic", torch.Generator().manual_seed(s)).holes for s in range(200)}
+    assert counts == set(range(1, FLAMBY_MAX_HOLES + 1))  # FLamby's random.randint(1, 8)
+    shapes = []
+    model = nn.Sequential(nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(12, 10))
+    model.register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))
+    data = type(make_split(1, seed=0))(_images224(6), torch.arange(6))
+    train_locally(model, data, LocalTraining(batch_size=3, lr=0.1, augment="flamby_isic"),
+                  generator=torch.Generator().manual_seed(0), prepare=normalize_batch,
+                  augment_generator=torch.Generator().manual_seed(1))
+    assert shapes == [(3, 3, 200, 200)] * 2

@@ -536,3 +536,23 @@ def test_the_configured_input_normalization_reaches_the_engine():
     engine = build_engine(config, config.methods[0], 0, build_federation_data(config, None))
     x = engine.clients[0].train.x[:3]
     torch.testing.assert_close(engine.prepare(x), x.float() / 255)
+
+
+def test_center_crop_cuts_evaluation_images_and_training_ones_unless_the_augmentation_crops():
+    from fednorm.data.domain import ClientData, Split
+    from fednorm.runs.runner import _center_crop, build_federation_data
+
+    config = tiny_config("data.center_crop=20", "data.val_fraction=0.2")
+    clients = build_federation_data(config, None)
+    full = build_federation_data(tiny_config("data.val_fraction=0.2"), None)
+    for cropped, whole in zip(clients, full):
+        for split in ("train", "test", "val"):
+            assert torch.equal(getattr(cropped, split).x, getattr(whole, split).x[..., 4:24, 4:24])
+    # FLamby's protocol: random 200 crops in training (the augmentation), the central 200 for evaluation
+    flamby = tiny_config("training.augment=flamby_isic", "data.center_crop=200")
+    images = torch.randint(0, 256, (3, 3, 224, 224), dtype=torch.uint8)
+    client = ClientData("c", "d", Split(images, torch.arange(3)), Split(images, torch.arange(3)))
+    (out,) = _center_crop(flamby, [client])
+    assert out.train.x.shape[-1] == 224 and torch.equal(out.test.x, images[..., 12:212, 12:212])
+    with pytest.raises(Exception, match="set data.center_crop: 200"):
+        tiny_config("training.augment=flamby_isic")

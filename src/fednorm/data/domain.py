@@ -43,6 +43,15 @@ class Split:
     def concat(splits: list["Split"]) -> "Split":
         return Split(torch.cat([s.x for s in splits]), torch.cat([s.y for s in splits]))
 
+    def center_crop(self, size: int) -> "Split":
+        """The central ``size`` x ``size`` of every image (albumentations' / torchvision's ``CenterCrop``: offset
+        ``(side - size) // 2``), a contiguous copy."""
+        h, w = self.x.shape[-2:]
+        if size > min(h, w):
+            raise ValueError(f"cannot centre-crop {h} x {w} images to {size} x {size}")
+        top, left = (h - size) // 2, (w - size) // 2
+        return Split(self.x[..., top:top + size, left:left + size].contiguous(), self.y)
+
 
 @dataclass(frozen=True)
 class Domain:

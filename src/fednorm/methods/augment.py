@@ -38,8 +38,29 @@ horizontal or vertical flips", after Liu et al. 2020), applied to each image *an
 
 Classification labels pass through unchanged; segmentation masks (N x H x W) get the image's rotation and flip.
 
+``flamby_isic`` is FLamby's Fed-ISIC2019 training pipeline (``flamby/datasets/fed_isic2019/dataset.py``), which
+FedWon's Table 11 trains with, on the stored 224 x 224 images, giving 200 x 200 crops::
+
+    RandomScale(0.07), Rotate(50), RandomBrightnessContrast(0.15, 0.1), Flip(p=0.5), Affine(shear=0.1),
+    RandomCrop(200, 200), CoarseDropout(random.randint(1, 8), 16, 16), Normalize()
+
+(albumentations; each with its default probability 0.5 except the crop). Per image: with probability 0.5 a
+resize by s uniform in [0.93, 1.07] (to floor(224 s) pixels); with probability 0.5 a rotation by an angle uniform
+in [-50, 50] degrees about the centre; with probability 0.5 contrast alpha in [0.9, 1.1] and brightness beta in
+[-0.15, 0.15] (``x alpha + 255 beta``, clipped); with probability 0.5 a flip (rows, columns or both, 1/3 each);
+with probability 0.5 a shear of x and y by angles uniform in [-0.1, 0.1] degrees; a 200 x 200 crop at a uniform
+offset; with probability 0.5, H black 16 x 16 holes at uniform positions. ``Normalize`` is ImageNet's mean and
+std: ``data.input_norm: imagenet``. Test images are centre-cropped to 200 (``data.center_crop: 200``).
+Differences, named: the geometric steps are composed into one affine map and sampled once (bilinear, as each
+of albumentations' steps, which resample three times); outside the image the sampling reflects about the
+border (``grid_sample``'s reflection, cv2's BORDER_REFLECT) where Rotate uses BORDER_REFLECT_101 and Affine a
+black border (a 0.1-degree shear reaches at most 0.2 pixels out); brightness and contrast act on the sampled
+values before rounding, not on a uint8 lookup table; H, which FLamby draws once per client dataset with Python's
+unseeded ``random.randint(1, 8)``, is drawn once per client round from the augmentation stream (the same
+distribution).
+
 The draws (the batch's flips, then its angles; for ``rot90_flip`` the quarter turns, then whether to flip, then
-the flip codes) come from a generator of their own (the engines seed
+the flip codes; for ``flamby_isic`` see :func:`draw_flamby_isic`) come from a generator of their own (the engines seed
 it from the client's round seed, :mod:`fednorm.engines.seeds`), never from the one that orders the
 batches, so ``none`` leaves every run as it was. The official code draws from torch's global
 generator inside its data loader: the distribution is the same, the stream is not reproduced.
@@ -52,12 +73,22 @@ import math
 import torch
 import torch.nn.functional as F
 
-AUGMENTS = ("none", "fedbn_objects", "rot90_flip")
+AUGMENTS = ("none", "fedbn_objects", "rot90_flip", "flamby_isic")
 MASK_AUGMENTS = ("none", "rot90_flip")  # those that move a segmentation mask with its image
 FLIP_PROBABILITY = 0.5
 MAX_DEGREES = 30.0
 ROT90_CHOICES = 5  # HarmoFL code: random.randint(0, 4), k = 4 a full turn
 ROT90_FLIP_PROBABILITY = 0.75  # HarmoFL code: RandomFlip(prob=0.75)
+# FLamby's Fed-ISIC2019 training transform (albumentations' default p = 0.5 for every step but the crop)
+FLAMBY_CROP = 200
+FLAMBY_P = 0.5
+FLAMBY_SCALE_LIMIT = 0.07
+FLAMBY_ROTATE_LIMIT = 50.0
+FLAMBY_BRIGHTNESS_LIMIT = 0.15
+FLAMBY_CONTRAST_LIMIT = 0.1
+FLAMBY_SHEAR_DEGREES = 0.1
+FLAMBY_HOLE = 16
+FLAMBY_MAX_HOLES = 8
 
 
 def check_augment(name: str) -> None:
@@ -148,6 +179,93 @@ def rot90_flip(x: torch.Tensor, turns: torch.Tensor, codes: torch.Tensor) -> tor
     return out
 
 
+def draw_flamby_isic(n: int, side: int, holes: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """``n`` images' draws of :func:`flamby_isic` for ``side`` x ``side`` inputs and ``holes`` cut-out holes, in this
+    order from ``generator`` alone: for each step in the pipeline's order, whether it applies (probability 0.5) and
+    then its values for the whole batch (scale, angle, contrast and brightness, flip code, shears, crop offsets,
+    hole positions). A step that does not apply has its identity values (scale 1, angle 0, ...)."""
+    def applies() -> torch.Tensor:
+        return torch.rand(n, generator=generator, dtype=torch.float64) < FLAMBY_P
+
+    def uniform(limit: float) -> torch.Tensor:
+        return (torch.rand(n, generator=generator, dtype=torch.float64) * 2 - 1) * limit
+
+    scaled = applies()
+    scale = torch.where(scaled, 1 + uniform(FLAMBY_SCALE_LIMIT), torch.ones(n, dtype=torch.float64))
+    size = torch.floor(side * scale + 1e-9).to(torch.int64)  # albumentations: int(height * scale)
+    if int(size.min()) < FLAMBY_CROP:
+        raise ValueError(f"flamby_isic crops {FLAMBY_CROP} x {FLAMBY_CROP} from images scaled down by up to 7 %: "
+                         f"{side}-pixel images are too small (FLamby's are 224)")
+    rotated = applies()
+    angle = torch.where(rotated, uniform(FLAMBY_ROTATE_LIMIT), torch.zeros(n, dtype=torch.float64))
+    adjusted = applies()
+    alpha = torch.where(adjusted, 1 + uniform(FLAMBY_CONTRAST_LIMIT), torch.ones(n, dtype=torch.float64))
+    beta = torch.where(adjusted, uniform(FLAMBY_BRIGHTNESS_LIMIT), torch.zeros(n, dtype=torch.float64))
+    flipped = applies()
+    code = torch.where(flipped, torch.randint(-1, 2, (n,), generator=generator), torch.full((n,), 2))
+    sheared = applies()
+    shear_x = torch.where(sheared, uniform(FLAMBY_SHEAR_DEGREES), torch.zeros(n, dtype=torch.float64))
+    shear_y = torch.where(sheared, uniform(FLAMBY_SHEAR_DEGREES), torch.zeros(n, dtype=torch.float64))
+    room = (size - FLAMBY_CROP + 1).to(torch.float64)
+    top = torch.floor(torch.rand(n, generator=generator, dtype=torch.float64) * room).to(torch.int64)
+    left = torch.floor(torch.rand(n, generator=generator, dtype=torch.float64) * room).to(torch.int64)
+    dropped = applies()
+    corners = torch.randint(0, FLAMBY_CROP - FLAMBY_HOLE + 1, (n, holes, 2), generator=generator)
+    return {"scale": scale, "size": size, "angle": angle, "alpha": alpha, "beta": beta, "code": code, "shear_x": shear_x,
+            "shear_y": shear_y, "top": top, "left": left, "dropped": dropped, "corners": corners}
+
+
+def _flamby_grid(draws: dict[str, torch.Tensor], side: int) -> torch.Tensor:
+    """N x 200 x 200 x 2 ``grid_sample`` grids: each output pixel of the crop traced back through the shear, the
+    flip, the rotation and the resize to the ``side`` x ``side`` source (pixel centres, align_corners=False)."""
+    f = torch.float64
+    size = draws["size"].to(f)
+    centre = (size - 1) / 2
+    u = torch.arange(FLAMBY_CROP, dtype=f)
+    y1 = (u.view(1, -1, 1) + draws["top"].to(f).view(-1, 1, 1)).expand(-1, -1, FLAMBY_CROP)
+    x1 = (u.view(1, 1, -1) + draws["left"].to(f).view(-1, 1, 1)).expand(-1, FLAMBY_CROP, -1)
+    c = centre.view(-1, 1, 1)
+    # undo the shear (about the centre): [x1, y1] - c = [[1, tan sx], [tan sy, 1]] ([x, y] - c)
+    tx = torch.tan(torch.deg2rad(draws["shear_x"])).view(-1, 1, 1)
+    ty = torch.tan(torch.deg2rad(draws["shear_y"])).view(-1, 1, 1)
+    det = 1 - tx * ty
+    dx, dy = x1 - c, y1 - c
+    x, y = c + (dx - tx * dy) / det, c + (dy - ty * dx) / det
+    # undo the flip: cv2 code 0 reverses the rows, 1 the columns, -1 both
+    code = draws["code"].view(-1, 1, 1)
+    x = torch.where((code == 1) | (code == -1), 2 * c - x, x)
+    y = torch.where((code == 0) | (code == -1), 2 * c - y, y)
+    # undo the rotation (cv2.getRotationMatrix2D: counter-clockwise as displayed for a positive angle)
+    rad = torch.deg2rad(draws["angle"]).view(-1, 1, 1)
+    cos, sin = torch.cos(rad), torch.sin(rad)
+    dx, dy = x - c, y - c
+    x, y = c + cos * dx - sin * dy, c + sin * dx + cos * dy
+    # undo the resize (cv2.resize maps pixel centres: source = (x + 0.5) side / size - 0.5)
+    ratio = (side / size).view(-1, 1, 1)
+    xs, ys = (x + 0.5) * ratio - 0.5, (y + 0.5) * ratio - 0.5
+    return torch.stack([(2 * xs + 1) / side - 1, (2 * ys + 1) / side - 1], dim=-1).to(torch.float32)
+
+
+def flamby_isic(x: torch.Tensor, draws: dict[str, torch.Tensor]) -> torch.Tensor:
+    """uint8 ``side`` x ``side`` images ``x`` -> their uint8 200 x 200 augmented crops (:func:`draw_flamby_isic`)."""
+    _check_batch(x)
+    side = x.shape[-1]
+    if x.shape[-2] != side:
+        raise ValueError(f"flamby_isic expects square images (FLamby's stored 224 x 224), got {tuple(x.shape[-2:])}")
+    if len(x) == 0:
+        return x[..., :FLAMBY_CROP, :FLAMBY_CROP]
+    grid = _flamby_grid(draws, side).to(x.device)
+    out = F.grid_sample(x.float(), grid, mode="bilinear", padding_mode="reflection", align_corners=False)
+    alpha = draws["alpha"].to(device=x.device, dtype=torch.float32).view(-1, 1, 1, 1)
+    beta = draws["beta"].to(device=x.device, dtype=torch.float32).view(-1, 1, 1, 1)
+    out = (out * alpha + 255.0 * beta).round_().clamp_(0, 255).to(torch.uint8)
+    dropped = draws["dropped"].nonzero().flatten().tolist()
+    for i in dropped:
+        for top, left in draws["corners"][i].tolist():
+            out[i, :, top:top + FLAMBY_HOLE, left:left + FLAMBY_HOLE] = 0
+    return out
+
+
 class BatchAugment:
     """The training batches' augmentation ``name`` with its own random stream: call it on each uint8 batch
     and its targets, in training order."""
@@ -155,6 +273,9 @@ class BatchAugment:
     def __init__(self, name: str, generator: torch.Generator) -> None:
         check_augment(name)
         self.name, self.generator = name, generator
+        # flamby_isic's hole count, FLamby's random.randint(1, 8) per dataset: here one per client round
+        self.holes = int(torch.randint(1, FLAMBY_MAX_HOLES + 1, (1,), generator=generator)) \
+            if name == "flamby_isic" else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The augmented images of a uint8 batch (their targets untouched: classification)."""
@@ -173,5 +294,7 @@ class BatchAugment:
         if masks:
             raise ValueError(f"augment {self.name!r} would move the images but not their masks: use rot90_flip or "
                              "none for segmentation")
+        if self.name == "flamby_isic":
+            return flamby_isic(x, draw_flamby_isic(len(x), x.shape[-1], self.holes, self.generator)), y
         flip, angle = draw_flip_rotate(len(x), self.generator)
         return flip_rotate(x, flip, angle), y

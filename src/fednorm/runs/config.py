@@ -19,7 +19,7 @@ from ..data.domain import INPUT_NORMS
 from ..data.federation import check_domain, check_medical_options, domain_task, image_size, num_classes, parse_domain
 from ..engines.device import DEVICE_PATTERN, resolve_device
 from ..methods.aggregation import WEIGHTINGS
-from ..methods.augment import AUGMENTS, MASK_AUGMENTS
+from ..methods.augment import AUGMENTS, FLAMBY_CROP, MASK_AUGMENTS
 from ..methods.local_update import LocalTraining, native_bf16, resolve_channels_last, resolve_precision
 from ..methods.policy import POLICIES
 from ..methods.presets import PRESETS, Method, resolve_method
@@ -79,6 +79,10 @@ class DataConfig(_Strict):
         "digits code; the default); unit = [0, 1], ToTensor only (FedBN's Office / DomainNet code); imagenet = "
         "torchvision's ImageNet mean and std, RGB only (pretrained weights, FLamby); raw = [0, 255] (HarmoFL's "
         "prostate code)")
+    center_crop: int | None = Field(
+        None, ge=8, description="centre-crop every evaluation image (test, validation, external clients) to this "
+        "size once at load time, and the training images too unless the augmentation crops them (flamby_isic: "
+        "random 200 crops); FLamby's Fed-ISIC2019 tests on CenterCrop(200). Image classification only")
     standardize_features: bool = Field(
         True, description="feature-vector domains (ABIDE): standardize each site with its own training mean/std "
         "(Fed_ABIDE's per-site sepnorm)")
@@ -596,6 +600,12 @@ class ExperimentConfig(_Strict):
                                                                               else ""))
         if kind != "features" and self.model.name == "mlp":
             raise ValueError("model mlp takes feature vectors (abide/<site>); image domains need an image model")
+        if d.center_crop is not None and kind != "classification":
+            raise ValueError(f"data.center_crop crops classification images; the domains are {kind}")
+        if self.training.augment == "flamby_isic" and d.center_crop != FLAMBY_CROP:
+            raise ValueError(f"training.augment flamby_isic trains on random {FLAMBY_CROP} x {FLAMBY_CROP} crops and "
+                             f"FLamby tests on the central {FLAMBY_CROP}: set data.center_crop: {FLAMBY_CROP} (got "
+                             f"{d.center_crop})")
         if d.input_norm != "half":
             if kind == "features":
                 raise ValueError(f"data.input_norm {d.input_norm!r} standardizes images; feature vectors are "

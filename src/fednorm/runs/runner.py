@@ -75,10 +75,21 @@ def build_federation_data(config: ExperimentConfig, data_dir: Path | None) -> li
     if data_dir is not None:
         check_data_files(list(config.data.domains) + list(config.external.domains)
                          + ([config.data.test_domain] if config.data.test_domain else []), data_dir)
-    internal = _build_internal(config, data_dir)
+    internal = _center_crop(config, _build_internal(config, data_dir))
     if not config.external.domains:
         return internal
     return internal + build_external_clients(config, data_dir)
+
+
+def _center_crop(config: ExperimentConfig, clients: list[ClientData]) -> list[ClientData]:
+    """``data.center_crop``: every client's evaluation images cut to their centre once, and its training images too
+    unless the training augmentation takes its own crops from the full images (flamby_isic)."""
+    size = config.data.center_crop
+    if size is None:
+        return clients
+    crop_train = config.training.augment != "flamby_isic"
+    return [replace(c, train=c.train.center_crop(size) if crop_train else c.train, test=c.test.center_crop(size),
+                    val=None if c.val is None else c.val.center_crop(size)) for c in clients]
 
 
 def build_external_clients(config: ExperimentConfig, data_dir: Path | None,
@@ -96,12 +107,12 @@ def build_external_clients(config: ExperimentConfig, data_dir: Path | None,
             external.append(ClientData(name=domain, domain=domain, train=whole.subset(torch.zeros(0, dtype=torch.int64)),
                                        test=whole, origin=parse_domain(domain).origin,
                                        meta={"protocol": "external, every sample tested", "external": True}))
-        return external
+        return _center_crop(config, external)
     external = build_clients(domains, data_dir=data_dir, percent=d.percent, pool_size=d.pool_size,
                              split_seed=d.split_seed, rendered_size=d.rendered_size)
     for c in external:
         c.meta["external"] = True
-    return external
+    return _center_crop(config, external)
 
 
 def split_external(clients: list[ClientData]) -> tuple[list[ClientData], list[ClientData]]:

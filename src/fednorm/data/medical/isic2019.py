@@ -19,10 +19,11 @@ clipped to 255. The JPEG re-encoding (PIL's default quality) is kept so the pixe
 
 Fixed size: the in-memory path needs one size, so each preprocessed image is centre-cropped to
 ``size`` x ``size`` (default 224, the full short side; an image whose short side FLamby's ``int()``
-resize left at 223 is first rescaled 0.4 % to 224, a larger shortfall is refused). FLamby trains on ``RandomCrop(200)`` after
-scale/rotate/flip/affine/colour/cut-out augmentations and tests on ``CenterCrop(200)``; a training
-loop can take its 200 x 200 crops from the stored 224 x 224 (FedWon: "FLamby data augmentations"
-and a weighted focal loss). FLamby has no validation split; :func:`load_fed_isic2019` can carve
+resize left at 223 is first rescaled 0.4 % to 224, a larger shortfall is refused). FLamby trains on
+``RandomCrop(200)`` after scale/rotate/flip/affine/colour/cut-out augmentations and tests on
+``CenterCrop(200)``; training takes its 200 x 200 crops from the stored 224 x 224 (FedWon: "FLamby data
+augmentations" and a weighted focal loss): ``training.augment: flamby_isic`` with ``data.center_crop: 200``,
+as the ``fedwon_isic2019`` preset sets. FLamby has no validation split; :func:`load_fed_isic2019` can carve
 one from train (``val_fraction``).
 
 Data folder format, one file per center, ``fed_isic2019/<center>.npz``: ``x_train``/``x_test``
