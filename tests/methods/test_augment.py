@@ -171,7 +171,8 @@ def test_flamby_isic_steps_one_at_a_time_against_their_definitions():
     """FLamby's Fed-ISIC2019 training transform, step by step on 224 x 224 images: the crop alone is the
     200 x 200 window; a 90-degree rotation is np.rot90 (counter-clockwise as displayed, cv2's sign); flip code 1
     reverses the columns; a resize is bilinear resampling of pixel centres (torch's interpolate, no antialias);
-    contrast and brightness give round(x alpha + 255 beta) clipped; a hole is a black 16 x 16 square."""
+    contrast and brightness give floor(clip(x alpha + 255 beta)) (albumentations' uint8 lookup table); a hole is a
+    black 16 x 16 square."""
     from fednorm.methods.augment import flamby_isic
 
     x = _images224()
@@ -193,8 +194,9 @@ def test_flamby_isic_steps_one_at_a_time_against_their_definitions():
     assert (scaled.float() - expected).abs().max() <= 1  # one resampling against torch's, up to rounding
     adjusted = flamby_isic(x, {**base, "alpha": torch.full((2,), 1.1, dtype=torch.float64),
                                 "beta": torch.full((2,), -0.15, dtype=torch.float64)})
-    by_hand = (x[..., 3:203, 17:217].float() * 1.1 - 0.15 * 255).round().clamp(0, 255)
-    assert (adjusted.float() - by_hand).abs().max() <= 1  # float32 sampling: a half-integer may round either way
+    alpha, beta = torch.tensor(1.1, dtype=torch.float32), torch.tensor(-0.15, dtype=torch.float32)
+    by_hand = (x[..., 3:203, 17:217].float() * alpha + 255.0 * beta).clamp(0, 255).floor()
+    assert torch.equal(adjusted.float(), by_hand)  # floored, as astype(uint8): rounding would differ on ~half
     holes = {**base, "dropped": torch.tensor([True, False]), "corners": torch.tensor([[[0, 0], [100, 150]]] * 2)}
     cut = flamby_isic(x, holes)
     assert (cut[0, :, :16, :16] == 0).all() and (cut[0, :, 100:116, 150:166] == 0).all()
@@ -217,7 +219,9 @@ def test_flamby_isic_draws_follow_flambys_ranges_and_probabilities():
     assert abs(rotated.double().mean() - 0.5) < 0.02 and float(d["angle"].abs().max()) <= 50
     assert float((d["alpha"] - 1).abs().max()) <= 0.1 and float(d["beta"].abs().max()) <= 0.15
     assert abs((d["code"] != 2).double().mean() - 0.5) < 0.02
-    assert float(d["shear_x"].abs().max()) <= 0.1
+    sheared = d["shear_x"] != 0
+    assert abs(sheared.double().mean() - 0.5) < 0.02  # Affine(shear=0.1): exactly 0.1 degrees on x and y
+    assert set(d["shear_x"].tolist()) == {0.0, 0.1} and torch.equal(d["shear_x"], d["shear_y"])
     assert abs(d["dropped"].double().mean() - 0.5) < 0.02 and d["corners"].shape == (n, 3, 2)
     assert int(d["corners"].max()) == 200 - 16 and int(d["corners"].min()) == 0
     room = d["size"] - 200

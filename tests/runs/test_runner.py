@@ -538,21 +538,29 @@ def test_the_configured_input_normalization_reaches_the_engine():
     torch.testing.assert_close(engine.prepare(x), x.float() / 255)
 
 
-def test_center_crop_cuts_evaluation_images_and_training_ones_unless_the_augmentation_crops():
-    from fednorm.data.domain import ClientData, Split
-    from fednorm.runs.runner import _center_crop, build_federation_data
+def test_center_crop_is_in_the_input_pipeline_every_path_goes_through():
+    """data.center_crop: the engine's prepare cuts every larger batch (training, evaluation, diagnostics) to its
+    centre and passes a batch already of that size (flamby_isic's random crops) as it is; the model is built for
+    the cropped size; configs that cannot run are refused when loaded."""
+    from fednorm.data.domain import Standardize
+    from fednorm.runs.runner import build_engine, build_federation_data
 
-    config = tiny_config("data.center_crop=20", "data.val_fraction=0.2")
-    clients = build_federation_data(config, None)
-    full = build_federation_data(tiny_config("data.val_fraction=0.2"), None)
-    for cropped, whole in zip(clients, full):
-        for split in ("train", "test", "val"):
-            assert torch.equal(getattr(cropped, split).x, getattr(whole, split).x[..., 4:24, 4:24])
-    # FLamby's protocol: random 200 crops in training (the augmentation), the central 200 for evaluation
-    flamby = tiny_config("training.augment=flamby_isic", "data.center_crop=200")
-    images = torch.randint(0, 256, (3, 3, 224, 224), dtype=torch.uint8)
-    client = ClientData("c", "d", Split(images, torch.arange(3)), Split(images, torch.arange(3)))
-    (out,) = _center_crop(flamby, [client])
-    assert out.train.x.shape[-1] == 224 and torch.equal(out.test.x, images[..., 12:212, 12:212])
+    config = tiny_config("data.center_crop=20", "model.name=resnet20", "model.width=1")
+    engine = build_engine(config, config.methods[0], 0, build_federation_data(config, None))
+    x = engine.clients[0].test.x[:3]
+    torch.testing.assert_close(engine.prepare(x), (x[..., 4:24, 4:24].float() / 255 - 0.5) / 0.5)
+    assert config.input_size() == 20 and tiny_config().input_size() == 28
+    crop = Standardize(crop=200)
+    big = torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8)
+    assert torch.equal(crop.center_crop(big), big[..., 12:212, 12:212])  # (224 - 200) // 2
+    assert torch.equal(crop.center_crop(big[..., :200, :200]), big[..., :200, :200])
+    with pytest.raises(ValueError, match="larger than the 20 x 20"):
+        crop.center_crop(big[..., :20, :20])
     with pytest.raises(Exception, match="set data.center_crop: 200"):
         tiny_config("training.augment=flamby_isic")
+    with pytest.raises(Exception, match="at least 216 pixels"):
+        tiny_config("training.augment=flamby_isic", "data.center_crop=200")
+    with pytest.raises(Exception, match="center_crop 40 is larger"):
+        tiny_config("data.center_crop=40")
+    with pytest.raises(Exception, match="digit_cnn takes 28 x 28"):
+        tiny_config("data.center_crop=20")  # the default model: built for the cropped size, refused

@@ -43,15 +43,6 @@ class Split:
     def concat(splits: list["Split"]) -> "Split":
         return Split(torch.cat([s.x for s in splits]), torch.cat([s.y for s in splits]))
 
-    def center_crop(self, size: int) -> "Split":
-        """The central ``size`` x ``size`` of every image (albumentations' / torchvision's ``CenterCrop``: offset
-        ``(side - size) // 2``), a contiguous copy."""
-        h, w = self.x.shape[-2:]
-        if size > min(h, w):
-            raise ValueError(f"cannot centre-crop {h} x {w} images to {size} x {size}")
-        top, left = (h - size) // 2, (w - size) // 2
-        return Split(self.x[..., top:top + size, left:left + size].contiguous(), self.y)
-
 
 @dataclass(frozen=True)
 class Domain:
@@ -99,25 +90,41 @@ INPUT_NORMS: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
 
 @dataclass(frozen=True)
 class Standardize:
-    """The ``prepare`` step of image domains: uint8 (N, C, H, W) -> /255 -> (x - mean) / std per channel.
+    """The ``prepare`` step of image domains: uint8 (N, C, H, W) -> central ``crop`` -> /255 -> (x - mean) / std
+    per channel.
 
-    One mean and std for every channel, or one per channel (``imagenet``: RGB images only)."""
+    One mean and std for every channel, or one per channel (``imagenet``: RGB images only). ``crop``
+    (``data.center_crop``) cuts every larger batch to its central ``crop`` x ``crop`` (offset ``(side - crop) // 2``,
+    albumentations' ``CenterCrop``; torchvision's rounds ``(side - crop) / 2``, one pixel apart for odd margins) and
+    leaves a batch of that size as it is (training batches an augmentation already cropped). Every path to the
+    model goes through ``prepare``: training, evaluation, external clients, diagnostics."""
 
     mean: tuple[float, ...] = (0.5,)
     std: tuple[float, ...] = (0.5,)
+    crop: int | None = None
+
+    def center_crop(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (uint8, N x C x H x W) cut to its central ``crop`` x ``crop``; as it is without ``crop``."""
+        if self.crop is None:
+            return x
+        h, w = x.shape[-2:]
+        if h < self.crop or w < self.crop:
+            raise ValueError(f"data.center_crop {self.crop} is larger than the {h} x {w} images")
+        top, left = (h - self.crop) // 2, (w - self.crop) // 2
+        return x[..., top:top + self.crop, left:left + self.crop]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.mean) > 1 and x.shape[1] != len(self.mean):
             raise ValueError(f"the input normalization has {len(self.mean)} channel means, the images have "
                              f"{x.shape[1]} channels: data.input_norm imagenet is for RGB images (use half or unit)")
-        return normalize_batch(x, self.mean, self.std)
+        return normalize_batch(self.center_crop(x), self.mean, self.std)
 
 
-def input_normalization(name: str = "half") -> Standardize:
-    """The ``prepare`` step named by ``data.input_norm`` (:data:`INPUT_NORMS`)."""
+def input_normalization(name: str = "half", crop: int | None = None) -> Standardize:
+    """The ``prepare`` step named by ``data.input_norm`` (:data:`INPUT_NORMS`), with ``data.center_crop``."""
     if name not in INPUT_NORMS:
         raise ValueError(f"unknown input normalization {name!r}; choose one of {', '.join(INPUT_NORMS)}")
-    return Standardize(*INPUT_NORMS[name])
+    return Standardize(*INPUT_NORMS[name], crop=crop)
 
 
 def normalize_batch(

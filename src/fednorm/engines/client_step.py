@@ -64,7 +64,7 @@ class ClientRunner:
             raise ValueError(f"method {method.name!r} normalizes image amplitudes between /255 and the per-channel "
                              "standardization (normalize_batch, Standardize); it cannot follow another input pipeline "
                              f"({getattr(prepare, '__name__', type(prepare).__name__)}): pass a Standardize")
-        # the standardization amplitude normalization is followed by (normalize_batch: mean 0.5, std 0.5)
+        # the crop and standardization around amplitude normalization (normalize_batch: mean 0.5, std 0.5, no crop)
         self.standardize = prepare if isinstance(prepare, Standardize) else Standardize()
         self.model, self.method, self.training = model, method, training
         self.device = next(model.parameters()).device
@@ -124,7 +124,7 @@ class ClientRunner:
             normalizer = amplitude_normalizer(self.method.amplitude_norm, (input_state or {}).get("amp.global"))
             normalizer.train()
             amplitude_prepare = AmplitudePrepare(normalizer, self.standardize.mean, self.standardize.std)
-            prepare = lambda x: self.place(amplitude_prepare(x))  # noqa: E731
+            prepare = lambda x: self.place(amplitude_prepare(self.standardize.center_crop(x)))  # noqa: E731
         sgd_momentum = training.momentum if training.optimizer == "sgd" else 0.0
         context = ClientContext(
             client.name, training.lr, self.shared_params, shared_global, server_state,
@@ -175,7 +175,7 @@ class ClientRunner:
             return self.prepare
         normalizer = amplitude_normalizer(self.method.amplitude_norm, amp).eval()
         amplitude_prepare = AmplitudePrepare(normalizer, self.standardize.mean, self.standardize.std, update=False)
-        return lambda x: self.place(amplitude_prepare(x))
+        return lambda x: self.place(amplitude_prepare(self.standardize.center_crop(x)))
 
 
 def amplitude_normalizer(variant: str, global_amplitude: torch.Tensor | None) -> AmplitudeNormalizer:

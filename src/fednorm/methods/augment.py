@@ -48,16 +48,19 @@ FedWon's Table 11 trains with, on the stored 224 x 224 images, giving 200 x 200 
 resize by s uniform in [0.93, 1.07] (to floor(224 s) pixels); with probability 0.5 a rotation by an angle uniform
 in [-50, 50] degrees about the centre; with probability 0.5 contrast alpha in [0.9, 1.1] and brightness beta in
 [-0.15, 0.15] (``x alpha + 255 beta``, clipped); with probability 0.5 a flip (rows, columns or both, 1/3 each);
-with probability 0.5 a shear of x and y by angles uniform in [-0.1, 0.1] degrees; a 200 x 200 crop at a uniform
+with probability 0.5 a shear of x and of y by 0.1 degrees (``Affine(shear=0.1)`` turns the number into the
+interval ``to_tuple(0.1, 0.1) = (0.1, 0.1)`` for each axis: a constant, not a range); a 200 x 200 crop at a uniform
 offset; with probability 0.5, H black 16 x 16 holes at uniform positions. ``Normalize`` is ImageNet's mean and
 std: ``data.input_norm: imagenet``. Test images are centre-cropped to 200 (``data.center_crop: 200``).
 Differences, named: the geometric steps are composed into one affine map and sampled once (bilinear, as each
 of albumentations' steps, which resample three times); outside the image the sampling reflects about the
 border (``grid_sample``'s reflection, cv2's BORDER_REFLECT) where Rotate uses BORDER_REFLECT_101 and Affine a
-black border (a 0.1-degree shear reaches at most 0.2 pixels out); brightness and contrast act on the sampled
-values before rounding, not on a uint8 lookup table; H, which FLamby draws once per client dataset with Python's
-unseeded ``random.randint(1, 8)``, is drawn once per client round from the augmentation stream (the same
-distribution). Cost: 264 ms for 64 images on one thread of a busy AVX2 CPU, 1.9 % of the ResNet-18 step it feeds
+black border (a 0.1-degree shear reaches at most 0.2 pixels out; its sign convention, skimage's, is not
+reproduced: x' = x + tan(0.1 deg) y about the centre, and likewise y); brightness and contrast act on the
+once-sampled values rounded to integers, then floored as albumentations' uint8 lookup table
+(``astype(uint8)``) does; H, which FLamby draws once per client dataset with Python's unseeded
+``random.randint(1, 8)`` and keeps for the whole run, is drawn once per client round from the augmentation
+stream (so each round's H has FLamby's distribution, but a client's H changes from round to round). Cost: 264 ms for 64 images on one thread of a busy AVX2 CPU, 1.9 % of the ResNet-18 step it feeds
 (``benchmarks/augment_cost.py``, benchmarks/performance.md).
 
 The draws (the batch's flips, then its angles; for ``rot90_flip`` the quarter turns, then whether to flip, then
@@ -82,12 +85,13 @@ ROT90_CHOICES = 5  # HarmoFL code: random.randint(0, 4), k = 4 a full turn
 ROT90_FLIP_PROBABILITY = 0.75  # HarmoFL code: RandomFlip(prob=0.75)
 # FLamby's Fed-ISIC2019 training transform (albumentations' default p = 0.5 for every step but the crop)
 FLAMBY_CROP = 200
+FLAMBY_MIN_SIDE = 216  # floor(216 x 0.93) = 200: the smallest side the 7 % downscale still crops 200 from
 FLAMBY_P = 0.5
 FLAMBY_SCALE_LIMIT = 0.07
 FLAMBY_ROTATE_LIMIT = 50.0
 FLAMBY_BRIGHTNESS_LIMIT = 0.15
 FLAMBY_CONTRAST_LIMIT = 0.1
-FLAMBY_SHEAR_DEGREES = 0.1
+FLAMBY_SHEAR_DEGREES = 0.1  # both axes, exactly (albumentations' to_tuple(0.1, 0.1))
 FLAMBY_HOLE = 16
 FLAMBY_MAX_HOLES = 8
 
@@ -183,8 +187,9 @@ def rot90_flip(x: torch.Tensor, turns: torch.Tensor, codes: torch.Tensor) -> tor
 def draw_flamby_isic(n: int, side: int, holes: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """``n`` images' draws of :func:`flamby_isic` for ``side`` x ``side`` inputs and ``holes`` cut-out holes, in this
     order from ``generator`` alone: for each step in the pipeline's order, whether it applies (probability 0.5) and
-    then its values for the whole batch (scale, angle, contrast and brightness, flip code, shears, crop offsets,
-    hole positions). A step that does not apply has its identity values (scale 1, angle 0, ...)."""
+    then its values for the whole batch (scale, angle, contrast and brightness, flip code, crop offsets, hole
+    positions; the shear has no value to draw). A step that does not apply has its identity values (scale 1,
+    angle 0, ...)."""
     def applies() -> torch.Tensor:
         return torch.rand(n, generator=generator, dtype=torch.float64) < FLAMBY_P
 
@@ -205,8 +210,8 @@ def draw_flamby_isic(n: int, side: int, holes: int, generator: torch.Generator) 
     flipped = applies()
     code = torch.where(flipped, torch.randint(-1, 2, (n,), generator=generator), torch.full((n,), 2))
     sheared = applies()
-    shear_x = torch.where(sheared, uniform(FLAMBY_SHEAR_DEGREES), torch.zeros(n, dtype=torch.float64))
-    shear_y = torch.where(sheared, uniform(FLAMBY_SHEAR_DEGREES), torch.zeros(n, dtype=torch.float64))
+    shear_x = sheared.to(torch.float64) * FLAMBY_SHEAR_DEGREES
+    shear_y = shear_x.clone()
     room = (size - FLAMBY_CROP + 1).to(torch.float64)
     top = torch.floor(torch.rand(n, generator=generator, dtype=torch.float64) * room).to(torch.int64)
     left = torch.floor(torch.rand(n, generator=generator, dtype=torch.float64) * room).to(torch.int64)
@@ -259,7 +264,8 @@ def flamby_isic(x: torch.Tensor, draws: dict[str, torch.Tensor]) -> torch.Tensor
     out = F.grid_sample(x.float(), grid, mode="bilinear", padding_mode="reflection", align_corners=False)
     alpha = draws["alpha"].to(device=x.device, dtype=torch.float32).view(-1, 1, 1, 1)
     beta = draws["beta"].to(device=x.device, dtype=torch.float32).view(-1, 1, 1, 1)
-    out = (out * alpha + 255.0 * beta).round_().clamp_(0, 255).to(torch.uint8)
+    # the resampled uint8 image (rounded), then the brightness / contrast lookup table: clip, then astype(uint8)
+    out = (out.round_() * alpha + 255.0 * beta).clamp_(0, 255).floor_().to(torch.uint8)
     dropped = draws["dropped"].nonzero().flatten().tolist()
     for i in dropped:
         for top, left in draws["corners"][i].tolist():

@@ -101,8 +101,9 @@ class LocalTraining:
     optimizer: str = "sgd"
     betas: tuple[float, float] = (0.9, 0.999)
     # training-time augmentation of every training batch, on the uint8 images before ``prepare``
-    # (:mod:`fednorm.methods.augment`): "none", "fedbn_objects" (FedBN's Office/DomainNet flip + rotation), or
-    # "rot90_flip" (HarmoFL's prostate code: quarter turns and flips, masks moved with their images)
+    # (:mod:`fednorm.methods.augment`): "none", "fedbn_objects" (FedBN's Office/DomainNet flip + rotation),
+    # "rot90_flip" (HarmoFL's prostate code: quarter turns and flips, masks moved with their images) or
+    # "flamby_isic" (FLamby's Fed-ISIC2019 pipeline, random 200 x 200 crops)
     augment: str = "none"
 
     def __post_init__(self) -> None:

@@ -19,7 +19,7 @@ from ..data.domain import INPUT_NORMS
 from ..data.federation import check_domain, check_medical_options, domain_task, image_size, num_classes, parse_domain
 from ..engines.device import DEVICE_PATTERN, resolve_device
 from ..methods.aggregation import WEIGHTINGS
-from ..methods.augment import AUGMENTS, FLAMBY_CROP, MASK_AUGMENTS
+from ..methods.augment import AUGMENTS, FLAMBY_CROP, FLAMBY_MIN_SIDE, MASK_AUGMENTS
 from ..methods.local_update import LocalTraining, native_bf16, resolve_channels_last, resolve_precision
 from ..methods.policy import POLICIES
 from ..methods.presets import PRESETS, Method, resolve_method
@@ -80,9 +80,10 @@ class DataConfig(_Strict):
         "torchvision's ImageNet mean and std, RGB only (pretrained weights, FLamby); raw = [0, 255] (HarmoFL's "
         "prostate code)")
     center_crop: int | None = Field(
-        None, ge=8, description="centre-crop every evaluation image (test, validation, external clients) to this "
-        "size once at load time, and the training images too unless the augmentation crops them (flamby_isic: "
-        "random 200 crops); FLamby's Fed-ISIC2019 tests on CenterCrop(200). Image classification only")
+        None, ge=8, description="the central crop of every image batch in the input pipeline (training, evaluation, "
+        "external clients, diagnostics); a training batch that the augmentation already cropped to this size "
+        "(flamby_isic: random 200 crops) passes as it is. FLamby's Fed-ISIC2019 tests on CenterCrop(200). Image "
+        "classification only")
     standardize_features: bool = Field(
         True, description="feature-vector domains (ABIDE): standardize each site with its own training mean/std "
         "(Fed_ABIDE's per-site sepnorm)")
@@ -343,8 +344,9 @@ class TrainingConfig(_Strict):
         "fedbn_objects = FedBN's Office/DomainNet code (FedWon too), per image a horizontal flip with probability "
         "0.5, then a rotation uniform in [-30, 30] degrees about the centre, nearest, corners black; images only, "
         "not segmentation; rot90_flip = HarmoFL's prostate code, k quarter turns (k uniform in 0-4, 4 = none) then "
-        "with probability 0.75 a flip of the rows, the columns or both, masks moved with their images "
-        "(fednorm.methods.augment)")
+        "with probability 0.75 a flip of the rows, the columns or both, masks moved with their images; "
+        "flamby_isic = FLamby's Fed-ISIC2019 pipeline (scale, rotation, colour, flip, shear, random 200 x 200 crop, "
+        "cut-out), with data.center_crop: 200 (fednorm.methods.augment)")
 
     @model_validator(mode="after")
     def _adam_has_no_sgd_momentum(self) -> "TrainingConfig":
@@ -537,6 +539,10 @@ class ExperimentConfig(_Strict):
                 return variant.paper, variant.paper_source
         return self.paper, self.paper_source
 
+    def input_size(self) -> int:
+        """The side of the images the model sees: ``data.center_crop`` where set, else the domains' image size."""
+        return self.data.center_crop or image_size(self.data.domains)
+
     def task(self) -> Task:
         """The run's task: segmentation when the domains hold masks (prostate, nuclei), else classification
         (images or feature vectors); its loss from ``training.loss`` (see :func:`fednorm.methods.tasks.build_task`)."""
@@ -693,12 +699,20 @@ class ExperimentConfig(_Strict):
                 raise ValueError(f"method {m.display!r} standardizes the convolutions' filters (norm ws), which would "
                                  "rescale model.pretrained's; drop the method or set model.pretrained: none")
         try:
-            size = image_size(self.data.domains)
+            stored = image_size(self.data.domains)
             num_classes(self.data.domains)
         except ValueError as exc:
             raise ValueError(f"data.domains: {exc}") from None
         self._check_external()
         self._check_task()
+        if self.training.augment == "flamby_isic" and stored < FLAMBY_MIN_SIDE:
+            raise ValueError(f"training.augment flamby_isic scales images down by up to 7 % and crops "
+                             f"{FLAMBY_CROP} x {FLAMBY_CROP}: it needs images of at least {FLAMBY_MIN_SIDE} pixels "
+                             f"(FLamby's are 224), the domains are {stored} x {stored}")
+        crop = self.data.center_crop
+        if crop is not None and crop > stored:
+            raise ValueError(f"data.center_crop {crop} is larger than the domains' {stored} x {stored} images")
+        size = self.input_size()
         if self.model.name == "digit_cnn" and size != 28:
             raise ValueError(f"model digit_cnn takes 28 x 28 digits; domains of {size} x {size} need alexnet, "
                              "resnet18, resnet20 or mobilenet_v2")

@@ -28,7 +28,7 @@ import yaml
 from ..data.datafolder import resolve_data_dir
 from ..data.domain import ClientData, input_normalization
 from ..data.prepare import check_data_files
-from ..data.federation import (build_clients, domain_eval_clients, image_size, is_rendered, load_domain, load_pool,
+from ..data.federation import (build_clients, domain_eval_clients, is_rendered, load_domain, load_pool,
                                num_classes, parse_domain, pooled_client)
 from ..data.partition import LABEL_SKEW_SCHEMES, label_skew_clients
 from ..methods.aggregation import DivergenceError
@@ -75,21 +75,10 @@ def build_federation_data(config: ExperimentConfig, data_dir: Path | None) -> li
     if data_dir is not None:
         check_data_files(list(config.data.domains) + list(config.external.domains)
                          + ([config.data.test_domain] if config.data.test_domain else []), data_dir)
-    internal = _center_crop(config, _build_internal(config, data_dir))
+    internal = _build_internal(config, data_dir)
     if not config.external.domains:
         return internal
     return internal + build_external_clients(config, data_dir)
-
-
-def _center_crop(config: ExperimentConfig, clients: list[ClientData]) -> list[ClientData]:
-    """``data.center_crop``: every client's evaluation images cut to their centre once, and its training images too
-    unless the training augmentation takes its own crops from the full images (flamby_isic)."""
-    size = config.data.center_crop
-    if size is None:
-        return clients
-    crop_train = config.training.augment != "flamby_isic"
-    return [replace(c, train=c.train.center_crop(size) if crop_train else c.train, test=c.test.center_crop(size),
-                    val=None if c.val is None else c.val.center_crop(size)) for c in clients]
 
 
 def build_external_clients(config: ExperimentConfig, data_dir: Path | None,
@@ -107,12 +96,12 @@ def build_external_clients(config: ExperimentConfig, data_dir: Path | None,
             external.append(ClientData(name=domain, domain=domain, train=whole.subset(torch.zeros(0, dtype=torch.int64)),
                                        test=whole, origin=parse_domain(domain).origin,
                                        meta={"protocol": "external, every sample tested", "external": True}))
-        return _center_crop(config, external)
+        return external
     external = build_clients(domains, data_dir=data_dir, percent=d.percent, pool_size=d.pool_size,
                              split_seed=d.split_seed, rendered_size=d.rendered_size)
     for c in external:
         c.meta["external"] = True
-    return _center_crop(config, external)
+    return external
 
 
 def split_external(clients: list[ClientData]) -> tuple[list[ClientData], list[ClientData]]:
@@ -202,7 +191,7 @@ def build_engine(
     features = clients[0].train.x.ndim == 2
     torch.manual_seed(derive_seed(seed, _INIT_STREAM))
     model = config.model.build(norm=method.norm, num_classes=num_classes(config.data.domains),
-                               image_size=image_size(config.data.domains),
+                               image_size=config.input_size(),
                                in_features=int(clients[0].train.x.shape[1]) if features else None)
     f = config.federation
     cross_device = f.setting == "cross_device"
@@ -228,7 +217,7 @@ def build_engine(
         training = replace(training, track_drift=True)
     return InProcessEngine(
         model, train_clients, method, training, federation,
-        prepare_features if features else input_normalization(config.data.input_norm),
+        prepare_features if features else input_normalization(config.data.input_norm, config.data.center_crop),
         eval_clients=evaluation_clients(config, clients, method_cfg),
         external_clients=external,
         external_modes=tuple(config.external.modes),

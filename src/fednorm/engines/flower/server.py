@@ -407,7 +407,9 @@ class FlowerEngine:
         """Every evaluation client's metrics, computed on its node with its own local state. A domain's
         evaluation (cross-device, label skew: the global model) takes the domain's test split on the node of its
         first client, and its validation split as in-process, the union of the domain's clients' ones: each
-        client's node scores its own slice and the server combines them by size (exact for the global model)."""
+        client's node scores its own slice and the server combines them by size (exact for the global model's
+        accuracy, Dice and loss; for balanced accuracy the size-weighted mean of the slices' scores, an
+        approximation, logged once)."""
         names = {c.name for c in self.core.clients}
         shared, input_state = self._global(), m.to_arrays(self.core.input_state)
         plan, record_of, val_parts = [], {}, {}
