@@ -33,6 +33,7 @@ from .device import to_device
 from .client_step import ClientMemory, ClientRunner, RoundInstructions, update_input_state
 from .seeds import augment_generator, derive_seed
 from ..methods.server import ClientReply, LocalSchedule, ServerUpdate, Threat
+from ..methods.tasks import Scorer
 from ..models.fbn import federated_bn_layers
 
 _SAMPLING_STREAM = 1
@@ -76,6 +77,8 @@ class Evaluation:
     loss: float
     num_examples: int
     metric: str = "accuracy"  # what ``accuracy`` holds: the task's main score ("accuracy" or "dice")
+    # balanced accuracy only: (hits, support) per class, so that pieces of one split combine exactly (Flower)
+    class_counts: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
 
 def _without(data: Split, index: torch.Tensor) -> Split:
@@ -322,11 +325,15 @@ class InProcessEngine:
         return {"centralized": result}
 
     # ---------------------------------------------------------------- evaluation
-    @torch.inference_mode()
     def evaluate_split(self, data: Split, prepare=None) -> tuple[float, float]:
         """(main score, mean loss) of the working model on ``data``, in eval mode: accuracy (or balanced accuracy)
         and the task's loss for classification, mean per-image Dice and the task's loss for segmentation
         (``training.task``)."""
+        return self.score_split(data, prepare).result()
+
+    @torch.inference_mode()
+    def score_split(self, data: Split, prepare=None) -> Scorer:
+        """The :class:`~fednorm.methods.tasks.Scorer` of the working model over ``data`` (see evaluate_split)."""
         prepare = prepare or self.prepare
         task = self.training.task
         self.model.eval()
@@ -338,7 +345,7 @@ class InProcessEngine:
             with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=use_bf16):
                 logits = self.model(x).float()
             scorer.add(logits, y)
-        return scorer.result()
+        return scorer
 
     def evaluate(self, splits: Iterable[str] = ("test", "val")) -> list[Evaluation]:
         """Every evaluation client's metrics with its own model (global state plus its local state)."""
@@ -362,8 +369,10 @@ class InProcessEngine:
                     data = _without(data, held)
                 if len(data) == 0:
                     continue
-                acc, loss = self.evaluate_split(data, prepare)
-                out.append(Evaluation(client.name, split, acc, loss, len(data), self.training.task.metric))
+                scorer = self.score_split(data, prepare)
+                acc, loss = scorer.result()
+                out.append(Evaluation(client.name, split, acc, loss, len(data), self.training.task.metric,
+                                      scorer.class_counts()))
         if "test" in splits:
             out += self.evaluate_external(prepare)
         return out

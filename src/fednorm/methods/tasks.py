@@ -177,16 +177,26 @@ class Scorer:
             else:
                 self.hits, self.support = self.hits + hits, self.support + support
 
+    def class_counts(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """(hits, support) per class under balanced accuracy (what a piece of a split must report for the pieces
+        to be combined exactly), else None."""
+        if self.task.metric != "balanced_accuracy" or self.support is None:
+            return None
+        return tuple(int(v) for v in self.hits), tuple(int(v) for v in self.support)
+
     def result(self) -> tuple[float, float]:
         """(score, mean loss) over the samples added; (0, 0) for an empty split."""
         n = max(self.count, 1)
         if self.task.metric == "balanced_accuracy":
-            if self.support is None:
-                return 0.0, 0.0
-            present = self.support > 0
-            recall = self.hits[present].double() / self.support[present].double()
-            return float(recall.mean()), self.loss_sum / n
+            counts = self.class_counts()
+            return (0.0, 0.0) if counts is None else (balanced_accuracy(*counts), self.loss_sum / n)
         return self.score_sum / n, self.loss_sum / n
+
+
+def balanced_accuracy(hits: tuple[int, ...], support: tuple[int, ...]) -> float:
+    """The mean recall ``hits / support`` over the classes with support (sklearn's ``balanced_accuracy_score``)."""
+    recalls = [h / s for h, s in zip(hits, support) if s > 0]
+    return sum(recalls) / len(recalls) if recalls else 0.0
 
 
 def focal_loss(logits: torch.Tensor, y: torch.Tensor, alpha: tuple[float, ...] | None = None,

@@ -105,6 +105,39 @@ def test_roster_and_evaluations_round_trip():
         m.decode_evaluations(counted, "c")
 
 
+def test_balanced_accuracy_travels_with_its_class_counts_and_pieces_combine_exactly():
+    """A domain's validation split scored in pieces on several nodes (Flower, cross-device) combines into the
+    balanced accuracy of the whole split: per-class hits and support travel with each piece and are summed.
+    A balanced accuracy without valid counts is refused."""
+    from fednorm.engines.flower.server import combine_pieces
+    from fednorm.methods.tasks import Scorer, build_task
+
+    task = build_task("classification", metric="balanced_accuracy")
+    logits = torch.randn(40, 4, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 4, (40,), generator=torch.Generator().manual_seed(1))
+    whole = Scorer(task)
+    whole.add(logits, y)
+    pieces = []
+    for part in (slice(0, 7), slice(7, 25), slice(25, 40)):
+        scorer = Scorer(task)
+        scorer.add(logits[part], y[part])
+        score, loss = scorer.result()
+        piece = Evaluation("d", "val", score, loss, scorer.count, task.metric, scorer.class_counts())
+        assert m.decode_evaluations(m.encode_evaluations([piece]), "d") == [piece]
+        pieces.append(piece)
+    combined = combine_pieces("d", "val", pieces)
+    assert combined.accuracy == pytest.approx(whole.result()[0], abs=1e-12)
+    assert combined.loss == pytest.approx(whole.result()[1], rel=1e-6) and combined.num_examples == 40  # float32 sums
+    sized = sum(p.accuracy * p.num_examples for p in pieces) / 40
+    assert abs(sized - combined.accuracy) > 1e-3  # the size-weighted mean of the pieces would not be it
+    plain = [Evaluation("d", "val", 0.5, 1.0, 10), Evaluation("d", "val", 1.0, 3.0, 30)]
+    assert combine_pieces("d", "val", plain) == Evaluation("d", "val", 0.875, 2.5, 40)
+    record = {"client": "d", "split": "val", "acc": 0.5, "loss": 0.0, "n": 3, "metric": "balanced_accuracy"}
+    for counts in ({}, {"hits": [1, 0], "support": [1, 1]}, {"hits": [2, 0], "support": [1, 2]}):
+        with pytest.raises(UpdateError, match="without valid per-class counts"):
+            m.decode_evaluations(RecordDict({"eval.d|val": ConfigRecord({**record, **counts})}), "d")
+
+
 def test_drift_travels_with_the_reply_and_a_bad_drift_is_refused():
     reply = ClientReply("a", {"w": torch.ones(1)}, 1.0, 3)
     back = m.decode_reply(m.encode_reply(reply, {}, LocalResult(1.0, 8, 3, drift=0.125)), "a", 1.0)[2]

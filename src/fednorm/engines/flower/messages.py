@@ -172,9 +172,11 @@ def encode_evaluations(evals) -> RecordDict:
     """The node's answer to an evaluate message: one ConfigRecord per evaluation (``eval.<client>|<split>``)."""
     content = RecordDict()
     for e in evals:
-        content[f"{EVAL_PREFIX}{e.client}|{e.split}"] = ConfigRecord(
-            {"client": e.client, "split": e.split, "acc": float(e.accuracy), "loss": float(e.loss),
-             "n": int(e.num_examples), "metric": e.metric})
+        record = {"client": e.client, "split": e.split, "acc": float(e.accuracy), "loss": float(e.loss),
+                  "n": int(e.num_examples), "metric": e.metric}
+        if e.class_counts is not None:  # balanced accuracy: per-class hits and support, for exact combination
+            record["hits"], record["support"] = list(e.class_counts[0]), list(e.class_counts[1])
+        content[f"{EVAL_PREFIX}{e.client}|{e.split}"] = ConfigRecord(record)
     return content
 
 
@@ -202,7 +204,16 @@ def decode_evaluations(content: RecordDict, client: str):
             raise UpdateError(f"{who} sent an evaluation of {named!r}")
         if not _count(n) or not 0.0 <= acc <= 1.0:
             raise UpdateError(f"{who} sent an invalid evaluation of {split!r}: score {acc}, n {n!r}")
-        out.append(Evaluation(named, split, acc, loss, n, metric))
+        counts = None
+        if metric == "balanced_accuracy":
+            hits, support = list(record.get("hits", [])), list(record.get("support", []))
+            if (not support or len(hits) != len(support) or not all(_count(v) for v in hits + support)
+                    or any(h > s for h, s in zip(hits, support)) or sum(support) != n):
+                raise UpdateError(f"{who} sent a balanced accuracy of {split!r} without valid per-class counts (hits "
+                                  f"<= support per class, support summing to n = {n!r}): is it the same fednorm "
+                                  "version?")
+            counts = (tuple(hits), tuple(support))
+        out.append(Evaluation(named, split, acc, loss, n, metric, counts))
     return out
 
 

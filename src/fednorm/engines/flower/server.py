@@ -37,6 +37,7 @@ from ...data.domain import ClientData, Split
 from ...methods.aggregation import DivergenceError, UpdateError
 from ...methods.local_update import LocalResult
 from ...methods.server import ClientReply
+from ...methods.tasks import balanced_accuracy
 from ...runs import store
 from ...runs.config import ExperimentConfig, MethodConfig
 from ...runs.runner import (RUN_INFO_FILE, CellResult, RunError, build_engine, execute, load_run_config, run_lock,
@@ -129,6 +130,23 @@ def _error_text(reply: Message) -> str:
 
 
 # ------------------------------------------------------------------------------------------ roster
+def combine_pieces(client: str, split: str, pieces: list[Evaluation]) -> Evaluation:
+    """One evaluation of a split scored in pieces on several nodes, as if scored whole: the loss and accuracy or
+    Dice (means over samples) weighted by the pieces' sizes; balanced accuracy from the summed per-class counts."""
+    total = sum(e.num_examples for e in pieces)
+    loss = sum(e.loss * e.num_examples for e in pieces) / total
+    if pieces[0].metric == "balanced_accuracy":
+        width = max(len(e.class_counts[1]) for e in pieces)
+        hits, support = [0] * width, [0] * width
+        for e in pieces:
+            for k, (h, n) in enumerate(zip(*e.class_counts)):
+                hits[k], support[k] = hits[k] + h, support[k] + n
+        counts = (tuple(hits), tuple(support))
+        return Evaluation(client, split, balanced_accuracy(*counts), loss, total, pieces[0].metric, counts)
+    return Evaluation(client, split, sum(e.accuracy * e.num_examples for e in pieces) / total, loss, total,
+                      pieces[0].metric)
+
+
 class Roster:
     """Which SuperNode holds which client, learned by asking each node that connects (a query message)."""
 
@@ -260,7 +278,6 @@ class FlowerEngine:
         self.run_id = run_id
         self.participation_path = None if cell_dir is None else Path(cell_dir) / PARTICIPATION_FILE
         self._participation_checked = False  # rounds after the cell's checkpoint are dropped at the first write
-        self._warned_balanced = False  # the balanced-accuracy validation approximation is logged once
 
     @property
     def round(self) -> int:
@@ -407,9 +424,8 @@ class FlowerEngine:
         """Every evaluation client's metrics, computed on its node with its own local state. A domain's
         evaluation (cross-device, label skew: the global model) takes the domain's test split on the node of its
         first client, and its validation split as in-process, the union of the domain's clients' ones: each
-        client's node scores its own slice and the server combines them by size (exact for the global model's
-        accuracy, Dice and loss; for balanced accuracy the size-weighted mean of the slices' scores, an
-        approximation, logged once)."""
+        client's node scores its own slice and the server combines them (:func:`combine_pieces`, exact for the
+        global model)."""
         names = {c.name for c in self.core.clients}
         shared, input_state = self._global(), m.to_arrays(self.core.input_state)
         plan, record_of, val_parts = [], {}, {}
@@ -458,19 +474,9 @@ class FlowerEngine:
                 dropped[key] = str(exc)
         for domain, keys in val_parts.items():  # the domain's validation pieces, combined by size
             pieces = [e for e in found.get(domain, []) if e.split == "val"]
-            if len(pieces) > 1 and pieces[0].metric == "balanced_accuracy" and not self._warned_balanced:
-                # exact for accuracy and Dice (means over samples); balanced accuracy is a mean of per-class
-                # recalls, so the size-weighted mean of the pieces' scores only approximates the domain's. It
-                # picks the selected round only (the test split is scored whole, by the domain's first client).
-                log(WARNING, "fednorm: a domain's validation balanced accuracy is the size-weighted mean of its "
-                    "clients' pieces (an approximation of the balanced accuracy of the whole split)")
-                self._warned_balanced = True
             found[domain] = [e for e in found.get(domain, []) if e.split != "val"]
-            total = sum(e.num_examples for e in pieces)
-            if total:
-                found[domain].append(Evaluation(
-                    domain, "val", sum(e.accuracy * e.num_examples for e in pieces) / total,
-                    sum(e.loss * e.num_examples for e in pieces) / total, total, pieces[0].metric))
+            if sum(e.num_examples for e in pieces):
+                found[domain].append(combine_pieces(domain, "val", pieces))
         out: list[Evaluation] = []
         for name in dict.fromkeys(record_of.values()):  # plan order, each evaluated client once
             out += sorted(found.get(name, []), key=lambda e: self._order(e, splits))
