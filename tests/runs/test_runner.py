@@ -564,3 +564,27 @@ def test_center_crop_is_in_the_input_pipeline_every_path_goes_through():
         tiny_config("data.center_crop=40")
     with pytest.raises(Exception, match="digit_cnn takes 28 x 28"):
         tiny_config("data.center_crop=20")  # the default model: built for the cropped size, refused
+
+
+def test_a_cell_whose_plots_fail_is_not_finished_and_a_resume_finishes_it(tmp_path, monkeypatch):
+    """The summary marks a cell finished and is written after its plots: a failure in between (a broken plotting
+    library, an interrupt) leaves the cell for a resume, which plots and summarizes it from its last checkpoint
+    without training again."""
+    import fednorm.runs.plots as plots
+
+    original = plots.plot_cell
+
+    def broken(records, cell):
+        raise RuntimeError("plotting failed")
+
+    monkeypatch.setattr(plots, "plot_cell", broken)
+    config = tiny_config("methods=[fedavg]", "federation.rounds=2")
+    with pytest.raises(RuntimeError, match="plotting failed"):
+        start_run(config, tmp_path / "run")
+    cell = tmp_path / "run" / "fedavg" / "seed0"
+    assert not (cell / store.SUMMARY_FILE).exists() and (cell / store.CHECKPOINT_FILE).exists()
+    metrics = store.read_metrics(cell / store.METRICS_FILE)
+    monkeypatch.setattr(plots, "plot_cell", original)
+    resume_run(tmp_path / "run")
+    assert (cell / store.SUMMARY_FILE).exists() and (cell / "accuracy.png").exists()
+    assert store.read_metrics(cell / store.METRICS_FILE) == metrics  # no round trained twice

@@ -354,10 +354,12 @@ def run_cell(
                              seed, rounds)
     if diverged is not None:
         summary["diverged"] = diverged
-    store.write_json(cell / store.SUMMARY_FILE, summary)
+    # the plots before the summary, which marks the cell finished: a failure in between leaves the cell to be
+    # finished by a resume (from its last checkpoint, plots and summary only), not finished without its plots
     from .plots import plot_cell
 
     plot_cell(store.read_metrics(metrics_path), cell)
+    store.write_json(cell / store.SUMMARY_FILE, summary)
     return summary
 
 
