@@ -190,3 +190,31 @@ def test_config_passes_augment_to_local_training():
     assert config.training.build(task=config.task()).augment == "fedbn_objects"
     with pytest.raises(ConfigError, match="training.augment"):
         tiny_config("training.augment=flip")
+
+
+def test_augment_validation_scores_freshly_augmented_validation_images_and_never_test_ones():
+    """FedBN's Office code validates on a Subset of its augmented training set: with training.augment_validation the
+    engine scores each client's validation images through the augmentation, drawn from the run seed, the rounds
+    completed and the client's name (a new draw at every evaluation); test images are never augmented."""
+    from fednorm.engines.seeds import validation_augment_generator
+
+    config = tiny_config("methods=[fedavg]", "training.augment=fedbn_objects", "data.val_fraction=0.25",
+                         "training.augment_validation=true")
+    clients = build_federation_data(config, None)
+    engine = build_engine(config, config.methods[0], config.seeds[0], clients)
+    engine.run_round()
+    scored = {(e.client, e.split): e.accuracy for e in engine.evaluate()}
+    client = engine.eval_clients[0]
+    engine.load_client(client.name)
+    augmented = BatchAugment("fedbn_objects", validation_augment_generator(engine.federation.seed, 1, client.name))
+    by_hand = engine.evaluate_split(type(client.val)(augmented(client.val.x), client.val.y))
+    assert scored[(client.name, "val")] == pytest.approx(by_hand[0], abs=1e-12)
+    assert scored[(client.name, "test")] == pytest.approx(engine.evaluate_split(client.test)[0], abs=1e-12)
+    first = engine.augmented_validation(client.name, client.val).x
+    engine.run_round()
+    assert not torch.equal(engine.augmented_validation(client.name, client.val).x, first)  # new draws each round
+    with pytest.raises(ConfigError, match="which is none"):
+        tiny_config("training.augment_validation=true")
+    with pytest.raises(ConfigError, match="cross-silo protocol"):
+        tiny_config("methods=[fedavg]", "training.augment=fedbn_objects", "training.augment_validation=true",
+                    "federation.setting=cross_device")

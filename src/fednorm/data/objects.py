@@ -25,9 +25,9 @@ is this call). The training augmentation of the official code (``RandomHorizonta
 batch by ``training.augment: fedbn_objects`` (:mod:`fednorm.methods.augment`: per image a flip with
 probability 0.5, then a rotation uniform in [-30, 30] degrees about the centre, nearest, corners
 black), on the uint8 images before normalization; evaluation sees the stored images. The default
-(``none``) trains without it. One difference from the official code: its validation images are a ``Subset`` of
-the augmented training set, so they are scored under a fresh random flip and rotation at every evaluation; here
-validation sees the stored images (model selection on unaugmented images; augmenting validation is not offered).
+(``none``) trains without it. The official code's validation images are a ``Subset`` of the augmented training
+set, so they are scored under a fresh random flip and rotation at every evaluation: ``training.augment_validation``
+does the same (the ``fedbn_office`` / ``fedwon_office`` presets set it; off, validation sees the stored images).
 
 Size: the papers use 256 x 256. The default here is 64 (as the offline PACS copy): one DomainNet
 domain at 256 x 256 is over a gigabyte of uint8 in memory, and AlexNet's adaptive pool accepts

@@ -3,11 +3,15 @@ numbers do not depend on the order clients train in, nor on a resume from a chec
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import torch
 
 # a client's training-time augmentation (training.augment), drawn apart from its batch order and dropout
 AUGMENT_STREAM = 6
+# the augmentation of a client's validation images at one evaluation (training.augment_validation)
+VALIDATION_AUGMENT_STREAM = 7
 
 
 def derive_seed(*parts: int) -> int:
@@ -16,7 +20,7 @@ def derive_seed(*parts: int) -> int:
     Parts that differ only by trailing zeros give the same seed (numpy's ``SeedSequence`` pads its entropy with
     zeros: ``derive_seed(1, 2) == derive_seed(1, 2, 0)``), and the parts carry no names: calls of different streams
     alias when their tuples coincide. Checked 2026-11-26 over the engines' and runner's calls: the engines end
-    every call with a non-zero stream constant (1, 2, 5, 6); the runner's validation hold-out
+    every call with a non-zero stream constant (1, 2, 5, 6, 7); the runner's validation hold-out
     ``(split_seed, 4, partition)`` puts the partition last, so with ``data.split_seed`` equal to the run's seed it
     coincides with ``(seed, round 4, 1)`` (partition 1: numpy's client-sampling generator of round 4, another
     algorithm than the hold-out's torch generator) and ``(seed, round 4, 2)`` (partition 2: the torch seed of the
@@ -30,3 +34,11 @@ def augment_generator(client_seed: int) -> torch.Generator:
     """The generator of a client's augmentation draws in one round, from the round's client seed
     (``RoundInstructions.seed``): its own stream, so the batch order and dropout draw as without augmentation."""
     return torch.Generator().manual_seed(derive_seed(client_seed, AUGMENT_STREAM))
+
+
+def validation_augment_generator(seed: int, rounds_done: int, client: str) -> torch.Generator:
+    """The generator of one evaluation's augmentation of ``client``'s validation images (``augment_validation``),
+    from the run's seed, the rounds completed and the client's name (CRC-32: the same on every engine and node,
+    whatever order clients are evaluated in)."""
+    return torch.Generator().manual_seed(
+        derive_seed(seed, rounds_done, zlib.crc32(client.encode()), VALIDATION_AUGMENT_STREAM))

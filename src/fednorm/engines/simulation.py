@@ -31,7 +31,8 @@ from ..methods.external import EXTERNAL_MODES, ExternalBN, bn_affine_keys, evalu
 from .allocator import reuse_freed_memory
 from .device import to_device
 from .client_step import ClientMemory, ClientRunner, RoundInstructions, update_input_state
-from .seeds import augment_generator, derive_seed
+from .seeds import augment_generator, derive_seed, validation_augment_generator
+from ..methods.augment import BatchAugment
 from ..methods.server import ClientReply, LocalSchedule, ServerUpdate, Threat
 from ..methods.tasks import Scorer
 from ..models.fbn import federated_bn_layers
@@ -369,6 +370,8 @@ class InProcessEngine:
                     data = _without(data, held)
                 if len(data) == 0:
                     continue
+                if split == "val" and self.training.augment_validation:
+                    data = self.augmented_validation(client.name, data)
                 scorer = self.score_split(data, prepare)
                 acc, loss = scorer.result()
                 out.append(Evaluation(client.name, split, acc, loss, len(data), self.training.task.metric,
@@ -376,6 +379,15 @@ class InProcessEngine:
         if "test" in splits:
             out += self.evaluate_external(prepare)
         return out
+
+    def augmented_validation(self, client: str, data: Split) -> Split:
+        """``client``'s validation images through the training augmentation, with this evaluation's own draws
+        (:func:`~fednorm.engines.seeds.validation_augment_generator`): FedBN's official code validates on a
+        ``Subset`` of its augmented training set, so each evaluation sees freshly augmented images."""
+        augment = BatchAugment(self.training.augment,
+                               validation_augment_generator(self.federation.seed, self.round, client))
+        x, y = augment.pair(data.x, data.y)
+        return type(data)(x, y)
 
     def evaluate_external(self, prepare=None) -> list[Evaluation]:
         """Every external client (never trained) under every external mode, from the global model. None under

@@ -105,9 +105,14 @@ class LocalTraining:
     # "rot90_flip" (HarmoFL's prostate code: quarter turns and flips, masks moved with their images) or
     # "flamby_isic" (FLamby's Fed-ISIC2019 pipeline, random 200 x 200 crops)
     augment: str = "none"
+    # the same augmentation on the validation images at every evaluation (FedBN's Office / DomainNet code validates
+    # on a Subset of its augmented training set); never on test images
+    augment_validation: bool = False
 
     def __post_init__(self) -> None:
         check_augment(self.augment)
+        if self.augment_validation and self.augment == "none":
+            raise ValueError("augment_validation augments validation images with training.augment, which is none")
         if self.augment not in MASK_AUGMENTS and self.task.kind == "segmentation":
             raise ValueError(f"augment {self.augment!r} would move the images but not their masks: segmentation "
                              f"takes {' or '.join(MASK_AUGMENTS)}")

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..data.domain import INPUT_NORMS
 from ..data.federation import check_domain, check_medical_options, domain_task, image_size, num_classes, parse_domain
+from ..data.partition import LABEL_SKEW_SCHEMES
 from ..engines.device import DEVICE_PATTERN, resolve_device
 from ..methods.aggregation import WEIGHTINGS
 from ..methods.augment import AUGMENTS, FLAMBY_CROP, FLAMBY_MIN_SIDE, MASK_AUGMENTS
@@ -340,13 +341,17 @@ class TrainingConfig(_Strict):
         "exclude", description="segmentation Dice score: exclude (foreground Dice, default), include (mean with the "
         "background), code (HarmoFL code's dice_coef exactly)")
     augment: Literal[AUGMENTS] = Field(  # type: ignore[valid-type]
-        "none", description="training-time augmentation of the training batches only (never evaluation): "
-        "fedbn_objects = FedBN's Office/DomainNet code (FedWon too), per image a horizontal flip with probability "
+        "none", description="training-time augmentation of the training batches (evaluation only through "
+        "augment_validation): fedbn_objects = FedBN's Office/DomainNet code (FedWon too), per image a horizontal flip with probability "
         "0.5, then a rotation uniform in [-30, 30] degrees about the centre, nearest, corners black; images only, "
         "not segmentation; rot90_flip = HarmoFL's prostate code, k quarter turns (k uniform in 0-4, 4 = none) then "
         "with probability 0.75 a flip of the rows, the columns or both, masks moved with their images; "
         "flamby_isic = FLamby's Fed-ISIC2019 pipeline (scale, rotation, colour, flip, shear, random 200 x 200 crop, "
         "cut-out), with data.center_crop: 200 (fednorm.methods.augment)")
+    augment_validation: bool = Field(
+        False, description="also augment the validation images, afresh at every evaluation (FedBN's Office / "
+        "DomainNet code validates on a Subset of its augmented training set, so model selection sees augmented "
+        "images); test images never; cross-silo federations only")
 
     @model_validator(mode="after")
     def _adam_has_no_sgd_momentum(self) -> "TrainingConfig":
@@ -608,6 +613,14 @@ class ExperimentConfig(_Strict):
             raise ValueError("model mlp takes feature vectors (abide/<site>); image domains need an image model")
         if d.center_crop is not None and kind != "classification":
             raise ValueError(f"data.center_crop crops classification images; the domains are {kind}")
+        if self.training.augment_validation:
+            if augment == "none":
+                raise ValueError("training.augment_validation augments validation images with training.augment, "
+                                 "which is none")
+            if self.federation.setting == "cross_device" or d.partition in LABEL_SKEW_SCHEMES:
+                # a domain's validation split is then the union of its clients' slices, scored in pieces on Flower
+                raise ValueError("training.augment_validation is FedBN's cross-silo protocol: not with "
+                                 "federation.setting cross_device or a label-skew partition")
         if self.training.augment == "flamby_isic" and d.center_crop != FLAMBY_CROP:
             raise ValueError(f"training.augment flamby_isic trains on random {FLAMBY_CROP} x {FLAMBY_CROP} crops and "
                              f"FLamby tests on the central {FLAMBY_CROP}: set data.center_crop: {FLAMBY_CROP} (got "

@@ -337,6 +337,7 @@ class NodeClients:
         _check_global(shared, engine.shared_keys)
         engine.global_state = to_device({**initial, **shared}, engine.device)  # arrays arrive on the host
         engine.input_state = m.from_arrays(message.content, m.INPUT_STATE)
+        engine.round = max(cell.round, 0)  # rounds completed, as the in-process engine's (augment_validation's draws)
         engine.local_states, engine.external_clients, engine.external_affine = {}, [], None
         if cell.external_modes:
             engine.external_clients, engine.external_modes = [client], cell.external_modes
