@@ -203,18 +203,23 @@ def test_augment_validation_scores_freshly_augmented_validation_images_and_never
     clients = build_federation_data(config, None)
     engine = build_engine(config, config.methods[0], config.seeds[0], clients)
     engine.run_round()
-    scored = {(e.client, e.split): e.accuracy for e in engine.evaluate()}
+    scored = {(e.client, e.split): (e.accuracy, e.loss) for e in engine.evaluate()}
     client = engine.eval_clients[0]
     engine.load_client(client.name)
     augmented = BatchAugment("fedbn_objects", validation_augment_generator(engine.federation.seed, 1, client.name))
-    by_hand = engine.evaluate_split(type(client.val)(augmented(client.val.x), client.val.y))
-    assert scored[(client.name, "val")] == pytest.approx(by_hand[0], abs=1e-12)
-    assert scored[(client.name, "test")] == pytest.approx(engine.evaluate_split(client.test)[0], abs=1e-12)
+    step = engine.federation.eval_batch_size  # drawn chunk by chunk, in order, from the one generator
+    x = torch.cat([augmented(client.val.x[i:i + step]) for i in range(0, len(client.val), step)])
+    by_hand = engine.evaluate_split(type(client.val)(x, client.val.y))
+    assert scored[(client.name, "val")] == pytest.approx(by_hand, abs=1e-12)
+    assert by_hand[1] != pytest.approx(engine.evaluate_split(client.val)[1], abs=1e-6)  # not the stored images
+    assert scored[(client.name, "test")] == pytest.approx(engine.evaluate_split(client.test), abs=1e-12)
     first = engine.augmented_validation(client.name, client.val).x
     engine.run_round()
     assert not torch.equal(engine.augmented_validation(client.name, client.val).x, first)  # new draws each round
     with pytest.raises(ConfigError, match="which is none"):
         tiny_config("training.augment_validation=true")
+    with pytest.raises(ConfigError, match="perfedavg_eval_steps: 0 or augment_validation: false"):
+        tiny_config("methods=[perfedavg]", "training.augment=fedbn_objects", "training.augment_validation=true")
     with pytest.raises(ConfigError, match="cross-silo protocol"):
         tiny_config("methods=[fedavg]", "training.augment=fedbn_objects", "training.augment_validation=true",
                     "federation.setting=cross_device")

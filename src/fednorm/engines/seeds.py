@@ -15,18 +15,19 @@ VALIDATION_AUGMENT_STREAM = 7
 
 
 def derive_seed(*parts: int) -> int:
-    """A 63-bit seed that depends only on ``parts`` (seed, round, client, stream...).
+    """A 63-bit seed that depends only on the 32-bit words of ``parts`` (seed, round, client, stream...).
 
-    Parts that differ only by trailing zeros give the same seed (numpy's ``SeedSequence`` pads its entropy with
-    zeros: ``derive_seed(1, 2) == derive_seed(1, 2, 0)``), and the parts carry no names: calls of different streams
-    alias when their tuples coincide. Checked 2026-11-26 over the engines' and runner's calls: the engines end
-    every call with a non-zero stream constant (1, 2, 5, 6, 7); the runner's validation hold-out
+    Aliases (numpy's ``SeedSequence``): parts that differ only by trailing zeros give the same seed (it pads its
+    entropy with zeros: ``derive_seed(1, 2) == derive_seed(1, 2, 0)``); an integer of 32 bits or more is split into
+    32-bit words (``derive_seed(7, 3) == derive_seed(7 + 3 * 2**32)``); and the parts carry no names, so calls of
+    different streams alias when their tuples coincide. Checked 2026-11-26 over the engines' and runner's calls:
+    the engines end every call with a non-zero stream constant (1, 2, 5, 6, 7); the runner's validation hold-out
     ``(split_seed, 4, partition)`` puts the partition last, so with ``data.split_seed`` equal to the run's seed it
-    coincides with ``(seed, round 4, 1)`` (partition 1: numpy's client-sampling generator of round 4, another
-    algorithm than the hold-out's torch generator) and ``(seed, round 4, 2)`` (partition 2: the torch seed of the
-    centralized reference's round 4, whose dropout draws then start where the hold-out permutation's did). Left as
-    it is: changing it would move every recorded validation split. A new stream should end with a new non-zero
-    constant."""
+    coincides with ``(seed, round 4, stream)`` for partition = stream: 1 (numpy's client-sampling generator of round
+    4, another algorithm than the hold-out's torch generator), 2 (the torch seed of the centralized reference's
+    round 4) and 5 (the diagnostics' dropout seed after round 4; a domain needs six clients for a partition 5),
+    whose draws then start where the hold-out permutation's did. Left as it is: changing it would move every
+    recorded validation split. A new stream should end with a new non-zero constant."""
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint64)[0] >> 1)
 
 

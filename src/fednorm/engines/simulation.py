@@ -386,8 +386,11 @@ class InProcessEngine:
         ``Subset`` of its augmented training set, so each evaluation sees freshly augmented images."""
         augment = BatchAugment(self.training.augment,
                                validation_augment_generator(self.federation.seed, self.round, client))
-        x, y = augment.pair(data.x, data.y)
-        return type(data)(x, y)
+        # in evaluation-sized chunks, one after the other from the one generator: the float sampling buffers stay
+        # those of one batch, whatever the split's size
+        step = self.federation.eval_batch_size
+        chunks = [augment.pair(data.x[i:i + step], data.y[i:i + step]) for i in range(0, len(data), step)]
+        return type(data)(torch.cat([x for x, _ in chunks]), torch.cat([y for _, y in chunks]))
 
     def evaluate_external(self, prepare=None) -> list[Evaluation]:
         """Every external client (never trained) under every external mode, from the global model. None under
@@ -407,7 +410,7 @@ class InProcessEngine:
                 result = self.evaluate_external_client(client, mode, bn, prepare)
                 if result is not None:
                     out.append(Evaluation(f"{client.name}:{mode}", "test", result.accuracy, result.loss,
-                                          result.num_examples, self.training.task.metric))
+                                          result.num_examples, self.training.task.metric, result.class_counts))
         return out
 
     @property

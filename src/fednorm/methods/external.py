@@ -108,6 +108,7 @@ class ExternalResult:
     accuracy: float  # the task's score: accuracy unless the task says balanced accuracy (or Dice)
     loss: float  # mean of the task's loss (cross-entropy by default)
     num_examples: int
+    class_counts: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # balanced accuracy: (hits, support)
 
 
 def batch_order(n: int, batch_size: int, shuffle_seed: int | None = None) -> list[Tensor]:
@@ -185,7 +186,7 @@ def _attach_trackers(model: nn.Module, bn: ExternalBN, mode: str) -> list:
 
 def _result(scorer: Scorer) -> ExternalResult:
     score, loss = scorer.result()
-    return ExternalResult(score, loss, scorer.count)
+    return ExternalResult(score, loss, scorer.count, scorer.class_counts())
 
 
 @torch.no_grad()

@@ -644,6 +644,11 @@ class ExperimentConfig(_Strict):
                                  "have none: set amplitude_norm: off or choose another method")
             if kind != "classification" and method.union_batches:
                 raise ValueError(f"method {m.display!r} merges the clients' batches, for image classification only")
+            if self.training.augment_validation and spec.name == "perfedavg" and spec.perfedavg_eval_steps > 0:
+                # it would adapt on the stored images and be scored on augmented ones: neither protocol
+                raise ValueError(f"method {m.display!r}: Per-FedAvg adapts on labelled samples before scoring; with "
+                                 "training.augment_validation it would adapt on stored images and be scored on "
+                                 "augmented ones: set client.perfedavg_eval_steps: 0 or augment_validation: false")
             if task.kind == "segmentation":
                 # Per-FedAvg's meta-steps compute a classification cross-entropy of their own (client_algorithms.py);
                 # SCAFFOLD option I takes the task's loss

@@ -355,7 +355,8 @@ def run_cell(
     if diverged is not None:
         summary["diverged"] = diverged
     # the plots before the summary, which marks the cell finished: a failure in between leaves the cell to be
-    # finished by a resume (from its last checkpoint, plots and summary only), not finished without its plots
+    # finished by a resume (from its last checkpoint: the plots and summary only when that is the last round; a
+    # diverged cell, which stops without a checkpoint, trains again from its last one), not finished without plots
     from .plots import plot_cell
 
     plot_cell(store.read_metrics(metrics_path), cell)

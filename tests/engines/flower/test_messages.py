@@ -130,10 +130,14 @@ def test_balanced_accuracy_travels_with_its_class_counts_and_pieces_combine_exac
     assert combined.loss == pytest.approx(whole.result()[1], rel=1e-6) and combined.num_examples == 40  # float32 sums
     sized = sum(p.accuracy * p.num_examples for p in pieces) / 40
     assert abs(sized - combined.accuracy) > 1e-3  # the size-weighted mean of the pieces would not be it
+    external = Evaluation("x:global", "test", pieces[0].accuracy, 0.5, pieces[0].num_examples, task.metric,
+                          pieces[0].class_counts)  # an external client's score travels with its counts too
+    assert m.decode_evaluations(m.encode_evaluations([external]), "x") == [external]
     plain = [Evaluation("d", "val", 0.5, 1.0, 10), Evaluation("d", "val", 1.0, 3.0, 30)]
     assert combine_pieces("d", "val", plain) == Evaluation("d", "val", 0.875, 2.5, 40)
     record = {"client": "d", "split": "val", "acc": 0.5, "loss": 0.0, "n": 3, "metric": "balanced_accuracy"}
-    for counts in ({}, {"hits": [1, 0], "support": [1, 1]}, {"hits": [2, 0], "support": [1, 2]}):
+    for counts in ({}, {"hits": [1, 0], "support": [1, 1]}, {"hits": [2, 0], "support": [1, 2]},
+                   {"hits": 1, "support": [1, 2]}, {"hits": [0, 0], "support": [1, 2]}):  # the last: acc is not 0
         with pytest.raises(UpdateError, match="without valid per-class counts"):
             m.decode_evaluations(RecordDict({"eval.d|val": ConfigRecord({**record, **counts})}), "d")
 

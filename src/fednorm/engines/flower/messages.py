@@ -30,6 +30,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from ...methods.aggregation import UpdateError
 from ...methods.local_update import LocalResult
 from ...methods.server import ClientReply
+from ...methods.tasks import balanced_accuracy
 from ..client_step import ClientMemory, RoundInstructions
 
 CELL = "cell"
@@ -206,12 +207,14 @@ def decode_evaluations(content: RecordDict, client: str):
             raise UpdateError(f"{who} sent an invalid evaluation of {split!r}: score {acc}, n {n!r}")
         counts = None
         if metric == "balanced_accuracy":
-            hits, support = list(record.get("hits", [])), list(record.get("support", []))
-            if (not support or len(hits) != len(support) or not all(_count(v) for v in hits + support)
-                    or any(h > s for h, s in zip(hits, support)) or sum(support) != n):
+            hits, support = record.get("hits"), record.get("support")
+            valid = (isinstance(hits, list) and isinstance(support, list) and support and len(hits) == len(support)
+                     and all(_count(v) for v in hits + support) and all(h <= s for h, s in zip(hits, support))
+                     and sum(support) == n and abs(acc - balanced_accuracy(hits, support)) < 1e-9)
+            if not valid:
                 raise UpdateError(f"{who} sent a balanced accuracy of {split!r} without valid per-class counts (hits "
-                                  f"<= support per class, support summing to n = {n!r}): is it the same fednorm "
-                                  "version?")
+                                  f"<= support per class, support summing to n = {n!r}, the score their mean "
+                                  "recall): is it the same fednorm version?")
             counts = (tuple(hits), tuple(support))
         out.append(Evaluation(named, split, acc, loss, n, metric, counts))
     return out

@@ -136,7 +136,11 @@ def combine_pieces(client: str, split: str, pieces: list[Evaluation]) -> Evaluat
     total = sum(e.num_examples for e in pieces)
     loss = sum(e.loss * e.num_examples for e in pieces) / total
     if pieces[0].metric == "balanced_accuracy":
-        width = max(len(e.class_counts[1]) for e in pieces)
+        widths = {len(e.class_counts[1]) for e in pieces}
+        if len(widths) != 1:
+            raise UpdateError(f"the pieces of {client!r}'s {split} split count {sorted(widths)} classes: one model "
+                              "scores them all")
+        width = widths.pop()
         hits, support = [0] * width, [0] * width
         for e in pieces:
             for k, (h, n) in enumerate(zip(*e.class_counts)):
