@@ -46,8 +46,8 @@ def main() -> None:
             augment_ms.append((middle - start) * 1e3)
             step_ms.append((end - middle) * 1e3)
     a, s = min(augment_ms), min(step_ms)
-    print(f"{args.augment}: {args.batch} images of {args.size} px -> {tuple(batch.shape[-2:])}: augmentation {a:.0f} ms, "
-          f"{args.model} training step {s:.0f} ms (best of {args.repeats}, {torch.get_num_threads()} threads): "
+    print(f"{args.augment}: {args.batch} images of {args.size} px -> {tuple(batch.shape[-2:])}: "
+          f"augmentation {a:.0f} ms, {args.model} training step {s:.0f} ms (best of {args.repeats}, {torch.get_num_threads()} threads): "
           f"the augmentation is {100 * a / s:.1f} % of the step")
 
 

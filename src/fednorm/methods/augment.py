@@ -60,8 +60,9 @@ reproduced: x' = x + tan(0.1 deg) y about the centre, and likewise y); brightnes
 once-sampled values rounded to integers, then floored as albumentations' uint8 lookup table
 (``astype(uint8)``) does; H, which FLamby draws once per client dataset with Python's unseeded
 ``random.randint(1, 8)`` and keeps for the whole run, is drawn once per client round from the augmentation
-stream (so each round's H has FLamby's distribution, but a client's H changes from round to round). Cost: 264 ms for 64 images on one thread of a busy AVX2 CPU, 1.9 % of the ResNet-18 step it feeds
-(``benchmarks/augment_cost.py``, benchmarks/performance.md).
+stream (so each round's H has FLamby's distribution, but a client's H changes from round to round). Cost: 264 ms
+for 64 images on one thread of a busy AVX2 CPU, 1.9 % of the ResNet-18 step it feeds (``benchmarks/augment_cost.py``,
+benchmarks/performance.md).
 
 The draws (the batch's flips, then its angles; for ``rot90_flip`` the quarter turns, then whether to flip, then
 the flip codes; for ``flamby_isic`` see :func:`draw_flamby_isic`) come from a generator of their own (the engines seed
@@ -217,8 +218,8 @@ def draw_flamby_isic(n: int, side: int, holes: int, generator: torch.Generator) 
     left = torch.floor(torch.rand(n, generator=generator, dtype=torch.float64) * room).to(torch.int64)
     dropped = applies()
     corners = torch.randint(0, FLAMBY_CROP - FLAMBY_HOLE + 1, (n, holes, 2), generator=generator)
-    return {"scale": scale, "size": size, "angle": angle, "alpha": alpha, "beta": beta, "code": code, "shear_x": shear_x,
-            "shear_y": shear_y, "top": top, "left": left, "dropped": dropped, "corners": corners}
+    return {"scale": scale, "size": size, "angle": angle, "alpha": alpha, "beta": beta, "code": code,
+            "shear_x": shear_x, "shear_y": shear_y, "top": top, "left": left, "dropped": dropped, "corners": corners}
 
 
 def _flamby_grid(draws: dict[str, torch.Tensor], side: int) -> torch.Tensor:
