@@ -223,3 +223,30 @@ def test_augment_validation_scores_freshly_augmented_validation_images_and_never
     with pytest.raises(ConfigError, match="cross-silo protocol"):
         tiny_config("methods=[fedavg]", "training.augment=fedbn_objects", "training.augment_validation=true",
                     "federation.setting=cross_device")
+
+
+def test_each_client_keeps_its_per_run_augmentation_draws_every_round(monkeypatch):
+    """FLamby draws Fed-ISIC2019's hole count once per client dataset: the engine hands every BatchAugment of a
+    client the same per-run generator, seeded from the run's seed and the client's name, round after round, and
+    different clients (and another run seed) get other streams."""
+    import fednorm.methods.local_update as local_update
+    from fednorm.engines.seeds import client_augment_generator
+
+    built: list[tuple[int, int]] = []  # (round, per-run generator's seed) of each BatchAugment
+
+    class Recording(BatchAugment):
+        def __init__(self, name, generator, client_generator=None):
+            built.append((engine.round, client_generator.initial_seed()))
+            super().__init__(name, generator, client_generator)
+
+    monkeypatch.setattr(local_update, "BatchAugment", Recording)
+    config = tiny_config("methods=[fedbn]", "training.augment=fedbn_objects")
+    clients = build_federation_data(config, None)
+    engine = build_engine(config, config.methods[0], config.seeds[0], clients)
+    names = [c.name for c, _ in engine.round_plan(0)]
+    engine.run_round()
+    engine.run_round()
+    expected = [client_augment_generator(config.seeds[0], n).initial_seed() for n in names]
+    assert built == [(r, s) for r in (0, 1) for s in expected]
+    assert len(set(expected)) == len(names)
+    assert client_augment_generator(config.seeds[0] + 1, names[0]).initial_seed() != expected[0]

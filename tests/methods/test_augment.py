@@ -230,11 +230,18 @@ def test_flamby_isic_draws_follow_flambys_ranges_and_probabilities():
         draw_flamby_isic(8, 200, 1, torch.Generator().manual_seed(0))
 
 
-def test_flamby_isic_trains_on_200_crops_with_one_hole_count_per_client_round():
-    from fednorm.methods.augment import FLAMBY_MAX_HOLES
+def test_flamby_isic_trains_on_200_crops_with_a_hole_count_fixed_per_client():
+    from fednorm.methods.augment import FLAMBY_MAX_HOLES, draw_flamby_holes
 
     counts = {BatchAugment("flamby_isic", torch.Generator().manual_seed(s)).holes for s in range(200)}
     assert counts == set(range(1, FLAMBY_MAX_HOLES + 1))  # FLamby's random.randint(1, 8)
+    # with a per-client generator (FLamby draws H once per client dataset) H comes from it, whatever the batch stream
+    per_client = {BatchAugment("flamby_isic", torch.Generator().manual_seed(s), torch.Generator().manual_seed(7)).holes
+                  for s in range(50)}
+    assert per_client == {draw_flamby_holes(torch.Generator().manual_seed(7))}
+    # and the batch stream is not drawn from for it: the first batch's draws are those of a fresh generator
+    augment = BatchAugment("flamby_isic", torch.Generator().manual_seed(3), torch.Generator().manual_seed(7))
+    assert torch.equal(torch.rand(4, generator=augment.generator), torch.rand(4, generator=torch.Generator().manual_seed(3)))
     shapes = []
     model = nn.Sequential(nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(12, 10))
     model.register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))

@@ -23,7 +23,7 @@ from ..methods.presets import Method
 from ..methods.server import ClientReply
 from ..models.fbn import federated_bn_layers, set_federation_size
 from .device import to_device
-from .seeds import augment_generator
+from .seeds import augment_generator, client_augment_generator
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,11 @@ class ClientRunner:
     def __init__(self, model: nn.Module, method: Method, training: LocalTraining, local_keys, shared_keys: list[str],
                  prepare: Callable[[torch.Tensor], torch.Tensor], persistent_optimizer: bool = False,
                  algorithm: ClientAlgorithm | None = None,
-                 place: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 place: Callable[[torch.Tensor], torch.Tensor] | None = None, seed: int = 0) -> None:
         """``prepare`` turns a uint8 batch into the model input; ``place`` (the model's device and memory
         format) is applied after it, and after the amplitude normalization that replaces ``prepare`` for
-        HarmoFL's methods (which runs on the host)."""
+        HarmoFL's methods (which runs on the host). ``seed`` is the run's: it seeds the augmentation draws a
+        client keeps for the whole run (``client_augment_generator``)."""
         if method.amplitude_norm and prepare is not normalize_batch and not isinstance(prepare, Standardize):
             # AmplitudePrepare replaces the input pipeline with /255 -> amplitude -> the same per-channel
             # standardization; another pipeline would be silently dropped
@@ -67,6 +68,7 @@ class ClientRunner:
         # the crop and standardization around amplitude normalization (normalize_batch: mean 0.5, std 0.5, no crop)
         self.standardize = prepare if isinstance(prepare, Standardize) else Standardize()
         self.model, self.method, self.training = model, method, training
+        self.seed = seed
         self.device = next(model.parameters()).device
         self.place = place or (lambda x: x.to(self.device))
         self.prepare = lambda x: self.place(prepare(x))
@@ -151,6 +153,8 @@ class ClientRunner:
             weight_perturbation=self.method.weight_perturbation,
             # training.augment: its own stream from the round's client seed, so augment none draws nothing
             augment_generator=augment_generator(instructions.seed) if training.augment != "none" else None,
+            augment_client_generator=(client_augment_generator(self.seed, client.name)
+                                      if training.augment != "none" else None),
         )
         message = context.scratch.get("message", {})
         if normalizer is not None and not normalizer.frozen:

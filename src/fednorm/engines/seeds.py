@@ -12,6 +12,8 @@ import torch
 AUGMENT_STREAM = 6
 # the augmentation of a client's validation images at one evaluation (training.augment_validation)
 VALIDATION_AUGMENT_STREAM = 7
+# a client's augmentation draws made once for the whole run (flamby_isic's hole count)
+CLIENT_AUGMENT_STREAM = 8
 
 
 def derive_seed(*parts: int) -> int:
@@ -21,7 +23,7 @@ def derive_seed(*parts: int) -> int:
     entropy with zeros: ``derive_seed(1, 2) == derive_seed(1, 2, 0)``); an integer of 32 bits or more is split into
     32-bit words (``derive_seed(7, 3) == derive_seed(7 + 3 * 2**32)``); and the parts carry no names, so calls of
     different streams alias when their tuples coincide. Checked 2026-11-26 over the engines' and runner's calls:
-    the engines end every call with a non-zero stream constant (1, 2, 5, 6, 7); the runner's validation hold-out
+    the engines end every call with a non-zero stream constant (1, 2, 5, 6, 7, 8); the runner's validation hold-out
     ``(split_seed, 4, partition)`` puts the partition last, so with ``data.split_seed`` equal to the run's seed it
     coincides with ``(seed, round 4, stream)`` for partition = stream: 1 (numpy's client-sampling generator of round
     4, another algorithm than the hold-out's torch generator), 2 (the torch seed of the centralized reference's
@@ -35,6 +37,13 @@ def augment_generator(client_seed: int) -> torch.Generator:
     """The generator of a client's augmentation draws in one round, from the round's client seed
     (``RoundInstructions.seed``): its own stream, so the batch order and dropout draw as without augmentation."""
     return torch.Generator().manual_seed(derive_seed(client_seed, AUGMENT_STREAM))
+
+
+def client_augment_generator(seed: int, client: str) -> torch.Generator:
+    """The generator of the augmentation draws a client makes once for the whole run (FLamby draws its hole count
+    once per client dataset), from the run's seed and the client's name (CRC-32, as the validation stream): the same
+    every round, on every engine and node, and after a resume."""
+    return torch.Generator().manual_seed(derive_seed(seed, zlib.crc32(client.encode()), CLIENT_AUGMENT_STREAM))
 
 
 def validation_augment_generator(seed: int, rounds_done: int, client: str) -> torch.Generator:

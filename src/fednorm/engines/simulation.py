@@ -31,7 +31,7 @@ from ..methods.external import EXTERNAL_MODES, ExternalBN, bn_affine_keys, evalu
 from .allocator import reuse_freed_memory
 from .device import to_device
 from .client_step import ClientMemory, ClientRunner, RoundInstructions, update_input_state
-from .seeds import augment_generator, derive_seed, validation_augment_generator
+from .seeds import augment_generator, client_augment_generator, derive_seed, validation_augment_generator
 from ..methods.augment import BatchAugment
 from ..methods.server import ClientReply, LocalSchedule, ServerUpdate, Threat
 from ..methods.tasks import Scorer
@@ -154,7 +154,8 @@ class InProcessEngine:
         self.shared_params = [k for k in self.shared_keys if k in params]
         self.algorithm = method.client.build()
         self.runner = ClientRunner(self.model, method, training, self.local_keys, self.shared_keys, prepare,
-                                   federation.persistent_optimizer, self.algorithm, place=self._place)
+                                   federation.persistent_optimizer, self.algorithm, place=self._place,
+                                   seed=federation.seed)
         self.input_state: dict[str, torch.Tensor] = {}  # HarmoFL's global amplitude once averaged
         # fedbn_average's BN affine parameters given from outside (a Flower node gets the server's average);
         # None: the internal clients' local states here
@@ -318,6 +319,9 @@ class InProcessEngine:
             optimizer_state=self.optimizer_states.get("__union__"), agc_clip=self.method.agc_clip,
             agc_exclude_head=self.method.agc_exclude_head, schedule=union,
             augment_generator=augment_generator(round_seed) if training.augment != "none" else None,
+            # the union of the clients is one dataset to FLamby's per-dataset draws (its pooled Fed-ISIC2019)
+            augment_client_generator=(client_augment_generator(self.federation.seed, "__union__")
+                                      if training.augment != "none" else None),
         )
         if self.federation.persistent_optimizer:
             self.optimizer_states["__union__"] = optimizer_state
@@ -385,7 +389,8 @@ class InProcessEngine:
         (:func:`~fednorm.engines.seeds.validation_augment_generator`): FedBN's official code validates on a
         ``Subset`` of its augmented training set, so each evaluation sees freshly augmented images."""
         augment = BatchAugment(self.training.augment,
-                               validation_augment_generator(self.federation.seed, self.round, client))
+                               validation_augment_generator(self.federation.seed, self.round, client),
+                               client_augment_generator(self.federation.seed, client))
         # in evaluation-sized chunks, one after the other from the one generator: the float sampling buffers stay
         # those of one batch, whatever the split's size
         step = self.federation.eval_batch_size

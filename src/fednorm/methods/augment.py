@@ -58,9 +58,9 @@ border (``grid_sample``'s reflection, cv2's BORDER_REFLECT) where Rotate uses BO
 black border (a 0.1-degree shear reaches at most 0.2 pixels out; its sign convention, skimage's, is not
 reproduced: x' = x + tan(0.1 deg) y about the centre, and likewise y); brightness and contrast act on the
 once-sampled values rounded to integers, then floored as albumentations' uint8 lookup table
-(``astype(uint8)``) does; H, which FLamby draws once per client dataset with Python's unseeded
-``random.randint(1, 8)`` and keeps for the whole run, is drawn once per client round from the augmentation
-stream (so each round's H has FLamby's distribution, but a client's H changes from round to round). Cost: 264 ms
+(``astype(uint8)``) does. H is FLamby's: drawn once per client dataset (``random.randint(1, 8)``, uniform on 1..8)
+and kept for the whole run; FLamby's draw is unseeded, here it comes from the run's seed and the client's name
+(the engines' ``client_augment_generator``), so a client keeps its H every round and across a resume. Cost: 264 ms
 for 64 images on one thread of a busy AVX2 CPU, 1.9 % of the ResNet-18 step it feeds (``benchmarks/augment_cost.py``,
 benchmarks/performance.md).
 
@@ -185,6 +185,11 @@ def rot90_flip(x: torch.Tensor, turns: torch.Tensor, codes: torch.Tensor) -> tor
     return out
 
 
+def draw_flamby_holes(generator: torch.Generator) -> int:
+    """FLamby's cut-out hole count, ``random.randint(1, 8)``: uniform on 1..8."""
+    return int(torch.randint(1, FLAMBY_MAX_HOLES + 1, (1,), generator=generator))
+
+
 def draw_flamby_isic(n: int, side: int, holes: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """``n`` images' draws of :func:`flamby_isic` for ``side`` x ``side`` inputs and ``holes`` cut-out holes, in this
     order from ``generator`` alone: for each step in the pipeline's order, whether it applies (probability 0.5) and
@@ -278,11 +283,14 @@ class BatchAugment:
     """The training batches' augmentation ``name`` with its own random stream: call it on each uint8 batch
     and its targets, in training order."""
 
-    def __init__(self, name: str, generator: torch.Generator) -> None:
+    def __init__(self, name: str, generator: torch.Generator, client_generator: torch.Generator | None = None) -> None:
+        """``generator``: the per-batch draws. ``client_generator``: the draws made once per client for the whole
+        run (flamby_isic's hole count; the engines pass ``client_augment_generator(seed, client)``); without it they
+        come from ``generator``, once per ``BatchAugment``."""
         check_augment(name)
         self.name, self.generator = name, generator
-        # flamby_isic's hole count, FLamby's random.randint(1, 8) per dataset: here one per client round
-        self.holes = int(torch.randint(1, FLAMBY_MAX_HOLES + 1, (1,), generator=generator)) \
+        # flamby_isic's hole count, FLamby's random.randint(1, 8), drawn once per client dataset
+        self.holes = draw_flamby_holes(client_generator if client_generator is not None else generator) \
             if name == "flamby_isic" else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

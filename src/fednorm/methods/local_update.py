@@ -247,6 +247,7 @@ def train_locally(
     context: "ClientContext | None" = None,
     weight_perturbation: float = 0.0,
     augment_generator: torch.Generator | None = None,
+    augment_client_generator: torch.Generator | None = None,
 ) -> tuple[LocalResult, dict]:
     """Train ``model`` in place on ``data``; return the loss statistics and the optimizer state.
 
@@ -267,7 +268,9 @@ def train_locally(
     would count every batch twice, the second time with the activations of theta + delta.
     With ``cfg.augment`` set, every training batch is augmented before ``prepare``
     (:mod:`fednorm.methods.augment`), with draws from ``augment_generator`` alone (required then): the batch
-    order ``generator`` and the global torch stream draw exactly as without augmentation. The weight
+    order ``generator`` and the global torch stream draw exactly as without augmentation;
+    ``augment_client_generator`` makes the draws that stay fixed for a client's whole run (see
+    :class:`~fednorm.methods.augment.BatchAugment`). The weight
     perturbation's second pass and a client algorithm's hooks see the step's augmented batch.
     """
     augment = None
@@ -275,7 +278,7 @@ def train_locally(
         if augment_generator is None:
             raise ValueError(f"augment {cfg.augment!r} needs an augment_generator of its own (the engines derive "
                              "one from the client's round seed: fednorm.engines.seeds.augment_generator)")
-        augment = BatchAugment(cfg.augment, augment_generator)
+        augment = BatchAugment(cfg.augment, augment_generator, augment_client_generator)
     model.train()
     if freeze_bn_stats:
         for module in model.modules():

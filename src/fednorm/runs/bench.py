@@ -50,7 +50,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..data.domain import ClientData, Split
-from ..engines.seeds import augment_generator
+from ..engines.seeds import augment_generator, client_augment_generator
 from ..methods.augment import BatchAugment
 from ..methods.tasks import CLASSIFICATION, Task
 from ..methods.local_update import LocalTraining, batch_schedule, build_optimizer, has_batchnorm, native_bf16
@@ -411,7 +411,8 @@ def bench_speed(config: ExperimentConfig, method_cfg: MethodConfig, seed: int, c
                                  result.num_steps)
         augment = None
         if training.augment != "none":  # the same draws as the engine's, from the client's round seed
-            augment = BatchAugment(training.augment, augment_generator(instructions.seed))
+            augment = BatchAugment(training.augment, augment_generator(instructions.seed),
+                                   client_augment_generator(engine.federation.seed, client.name))
         samples, seconds = plain_training(reference_model, reference_opt, batches, engine.prepare,
                                           training.precision, training.task, augment)
         ref["s"] += seconds
