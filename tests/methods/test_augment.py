@@ -241,7 +241,8 @@ def test_flamby_isic_trains_on_200_crops_with_a_hole_count_fixed_per_client():
     assert per_client == {draw_flamby_holes(torch.Generator().manual_seed(7))}
     # and the batch stream is not drawn from for it: the first batch's draws are those of a fresh generator
     augment = BatchAugment("flamby_isic", torch.Generator().manual_seed(3), torch.Generator().manual_seed(7))
-    assert torch.equal(torch.rand(4, generator=augment.generator), torch.rand(4, generator=torch.Generator().manual_seed(3)))
+    fresh = torch.Generator().manual_seed(3)
+    assert torch.equal(torch.rand(4, generator=augment.generator), torch.rand(4, generator=fresh))
     shapes = []
     model = nn.Sequential(nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(12, 10))
     model.register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))
