@@ -8,8 +8,8 @@ score?", so the rest of fednorm does not care whether a batch holds class labels
   change by going through a task. The score is accuracy, or ``balanced_accuracy`` (the mean over the
   classes present in a split of each class's recall, sklearn's ``balanced_accuracy_score``: FLamby's
   Fed-ISIC2019 metric, where one class holds half the images). ``focal`` is the weighted focal loss of
-  FLamby's Fed-ISIC2019 baseline (FedWon Table 11): ``mean(-alpha_y (1 - p_y)^2 log p_y)``, with FLamby's class weights ``alpha`` on
-  Fed-ISIC2019 and no weights elsewhere; its evaluation loss is the same focal loss.
+  FLamby's Fed-ISIC2019 baseline (FedWon Table 11): ``mean(-alpha_y (1 - p_y)^2 log p_y)``, with FLamby's
+  class weights ``alpha`` on Fed-ISIC2019 and no weights elsewhere; its evaluation loss is the same focal loss.
 * ``segmentation`` (HarmoFL's nuclei and prostate tasks): logits ``N x K x H x W`` against integer
   masks ``N x H x W``. Masks are stored as uint8 (:class:`~fednorm.data.medical.SegmentationSplit`)
   and converted to int64 one batch at a time (:meth:`Task.target`). Losses (HarmoFL names them but

@@ -343,8 +343,8 @@ class TrainingConfig(_Strict):
     augment: Literal[AUGMENTS] = Field(  # type: ignore[valid-type]
         "none", description="training-time augmentation of the training batches (evaluation only through "
         "augment_validation): fedbn_objects = FedBN's Office/DomainNet code (FedWon too), per image a horizontal "
-        "flip with probability 0.5, then a rotation uniform in [-30, 30] degrees about the centre, nearest, corners black; images only, "
-        "not segmentation; rot90_flip = HarmoFL's prostate code, k quarter turns (k uniform in 0-4, 4 = none) then "
+        "flip with probability 0.5, then a rotation uniform in [-30, 30] degrees about the centre, nearest, "
+        "corners black; images only, not segmentation; rot90_flip = HarmoFL's prostate code, k quarter turns (k uniform in 0-4, 4 = none) then "
         "with probability 0.75 a flip of the rows, the columns or both, masks moved with their images; "
         "flamby_isic = FLamby's Fed-ISIC2019 pipeline (scale, rotation, colour, flip, shear, random 200 x 200 crop, "
         "cut-out), with data.center_crop: 200 (fednorm.methods.augment)")
