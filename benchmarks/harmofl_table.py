@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fednorm.diagnostics.landscape import RESULT_FILE, sharpness
+from fednorm.diagnostics.landscape import RESULT_FILE, read_result, sharpness
 from fednorm.runs import store
 from fednorm.runs.runner import RunError, load_run_config
 
@@ -74,7 +74,7 @@ def main() -> None:
                 stats.setdefault("pairwise", []).append(diag[-1]["pairwise"])
             land = cell / RESULT_FILE
             if land.exists():
-                sharp = sharpness(json.loads(land.read_text()))
+                sharp = sharpness(read_result(land))
                 stats.setdefault("rise", []).append(float(np.mean([s["mean_rise"] for s in sharp.values()])))
                 stats.setdefault("offset", []).append(float(np.mean([s["minimum_offset"] for s in sharp.values()])))
         if not stats:

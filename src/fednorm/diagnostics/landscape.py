@@ -14,7 +14,6 @@ The directions are seeded; the paper states neither its grid nor its range (the 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -79,8 +78,10 @@ def landscape(engine, span: float = 1.0, points: int = 11, samples: int = 256, s
 
 def save(result: dict, folder: Path, title: str = "") -> None:
     """landscape.json and landscape.png (one contour panel per client, the global model at the centre)."""
+    from ..runs.store import dumps  # strict JSON: a loss that overflows far from the centre is written as null
+
     folder = Path(folder)
-    (folder / RESULT_FILE).write_text(json.dumps(result))
+    (folder / RESULT_FILE).write_text(dumps(result))
     plot(result, folder / PLOT_FILE, title)
 
 
@@ -97,10 +98,11 @@ def plot(result: dict, path: Path, title: str = "") -> None:
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.6 * rows), squeeze=False)
     coords = np.asarray(result["coords"])
     for ax, name in zip(axes.flat, clients):
-        z = np.asarray(result["clients"][name])
+        # a loss that overflowed far from the centre (inf or NaN) is left blank rather than stretching the levels
+        z = np.ma.masked_invalid(np.asarray(result["clients"][name], dtype=float))
         cs = ax.contourf(coords, coords, z.T, levels=20, cmap="viridis")  # z[a][b]: a on x, b on y
         fig.colorbar(cs, ax=ax, fraction=0.046)
-        i, j = np.unravel_index(np.argmin(z), z.shape)
+        i, j = np.unravel_index(np.argmin(z.filled(np.inf)), z.shape)
         ax.plot(0, 0, "w+", markersize=10, label="global model")
         ax.plot(coords[i], coords[j], "rx", markersize=8, label="client minimum")
         ax.set_title(name, fontsize=9)
@@ -114,6 +116,19 @@ def plot(result: dict, path: Path, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def read_result(path: Path) -> dict:
+    """A saved ``landscape.json``, with the nulls that stand for non-finite losses (strict JSON) back as +inf:
+    far from the centre a loss overflows (inf, or NaN from inf - inf in the softmax), and either way it is a
+    point that is not flat; +inf keeps :func:`sharpness`'s minimum finite and its mean rise infinite."""
+    import json
+    import math
+
+    result = json.loads(Path(path).read_text())
+    result["clients"] = {name: [[math.inf if v is None else v for v in row] for row in grid]
+                         for name, grid in result["clients"].items()}
+    return result
 
 
 def sharpness(result: dict) -> dict[str, dict[str, float]]:
@@ -155,7 +170,7 @@ def landscape_of_cell(run_dir: Path, label: str | None = None, seed: int | None 
     engine.load_state_dict(store.load_checkpoint(checkpoint))
     result = landscape(engine, span=span, points=points, samples=samples, seed=seed)
     suffix = "" if span == 1.0 else f"-span{span:g}"
-    (cell / f"landscape{suffix}.json").write_text(json.dumps(result))
+    (cell / f"landscape{suffix}.json").write_text(store.dumps(result))
     path = cell / f"landscape{suffix}.png"
     plot(result, path, title=f"{label}, seed {seed}: training loss around the global model (round {engine.round}, "
          f"span {span:g})")

@@ -19,6 +19,7 @@ RUN_DIR/
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -72,10 +73,30 @@ def load_checkpoint(path: Path) -> dict:
         ) from exc
 
 
+def finite_or_null(obj):
+    """``obj`` with every non-finite float (the loss of a diverged round, an overflowed score) replaced by None.
+
+    JSON has no NaN or Infinity: Python's ``json`` writes them as bare ``NaN``, which JavaScript, jq and most
+    other languages' parsers reject. Run files hold ``null`` instead; :func:`read_metrics` turns a metric record's
+    nulls back into NaN (its values are all numbers or names, so a null can only have been a non-finite float)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_null(v) for v in obj]
+    return obj
+
+
+def dumps(obj, **kwargs) -> str:
+    """Strict JSON (see :func:`finite_or_null`): every file of a run folder is readable outside Python too."""
+    return json.dumps(finite_or_null(obj), allow_nan=False, **kwargs)
+
+
 def append_metrics(path: Path, records: list[dict]) -> None:
     with open(path, "a") as fh:
         for rec in records:
-            fh.write(json.dumps(rec) + "\n")
+            fh.write(dumps(rec) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
 
@@ -89,20 +110,21 @@ def read_metrics(path: Path) -> list[dict]:
         if not line:
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)  # (bare NaN too: files written before 2026-11-26 have it)
         except json.JSONDecodeError:
             break  # a line cut by a kill: everything after it is discarded too
+        records.append({k: math.nan if v is None else v for k, v in record.items()})
     return records
 
 
 def truncate_metrics(path: Path, last_round: int) -> None:
     """Keep only the records of rounds <= ``last_round`` (the checkpoint's), dropping a partial tail."""
     kept = [r for r in read_metrics(path) if r["round"] <= last_round]
-    atomic_write_bytes(path, lambda fh: fh.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
+    atomic_write_bytes(path, lambda fh: fh.write("".join(dumps(r) + "\n" for r in kept).encode()))
 
 
 def write_json(path: Path, data) -> None:
-    atomic_write_bytes(path, lambda fh: fh.write(json.dumps(data, indent=2).encode()))
+    atomic_write_bytes(path, lambda fh: fh.write(dumps(data, indent=2).encode()))
 
 
 def write_text(path: Path, text: str) -> None:

@@ -1,0 +1,77 @@
+"""Run files are strict JSON: a diverged round's NaN loss is readable outside Python, and comes back as NaN."""
+
+import json
+import math
+
+import pytest
+
+from fednorm.runs import store
+
+
+def strict_loads(text: str):
+    """JSON as JavaScript, jq or Go read it: bare NaN / Infinity are errors."""
+    def reject(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(text, parse_constant=reject)
+
+
+def test_a_diverged_rounds_nan_loss_is_written_as_null_and_read_back_as_nan(tmp_path):
+    path = tmp_path / store.METRICS_FILE
+    store.append_metrics(path, [
+        {"round": 1, "client": "mnist", "split": "test", "acc": 0.9, "loss": 0.3, "n": 10, "metric": "accuracy"},
+        {"round": 2, "client": "mnist", "split": "test", "acc": 0.1, "loss": math.nan, "n": 10, "metric": "accuracy",
+         "diverged": True},
+        {"round": 2, "client": "usps", "split": "train", "loss": math.inf, "steps": 3, "n": 10},
+    ])
+    lines = [strict_loads(line) for line in path.read_text().splitlines()]
+    assert [line["loss"] for line in lines] == [0.3, None, None]
+    records = store.read_metrics(path)
+    assert records[0] == lines[0]  # finite records unchanged
+    assert math.isnan(records[1]["loss"]) and records[1]["acc"] == 0.1 and records[1]["diverged"] is True
+    assert math.isnan(records[2]["loss"])  # null does not say which: NaN for both, "not a number we can use"
+
+
+def test_truncation_keeps_the_strict_form(tmp_path):
+    path = tmp_path / store.METRICS_FILE
+    store.append_metrics(path, [{"round": r, "client": "a", "split": "train", "loss": math.nan if r == 1 else 0.5}
+                                for r in (1, 2, 3)])
+    store.truncate_metrics(path, 2)
+    assert [strict_loads(line)["loss"] for line in path.read_text().splitlines()] == [None, 0.5]
+
+
+def test_metrics_files_written_before_strict_json_still_read(tmp_path):
+    path = tmp_path / store.METRICS_FILE
+    path.write_text('{"round": 1, "client": "a", "split": "test", "acc": 0.1, "loss": NaN}\n')
+    [record] = store.read_metrics(path)
+    assert math.isnan(record["loss"])
+
+
+def test_summaries_and_nested_values_are_strict_json(tmp_path):
+    summary = {"clients": [{"name": "a", "test": {"final_acc": 0.1, "final_loss": math.nan}}],
+               "spread": (math.inf, -math.inf, 1.5), "mean_final_test_acc": 0.1}
+    store.write_json(tmp_path / store.SUMMARY_FILE, summary)
+    back = strict_loads((tmp_path / store.SUMMARY_FILE).read_text())
+    assert back == {"clients": [{"name": "a", "test": {"final_acc": 0.1, "final_loss": None}}],
+                    "spread": [None, None, 1.5], "mean_final_test_acc": 0.1}
+
+
+def test_landscape_results_with_an_overflowed_loss_round_trip(tmp_path):
+    from fednorm.diagnostics.landscape import RESULT_FILE, read_result, sharpness, save
+
+    result = {"coords": [-1.0, 0.0, 1.0], "round": 3, "span": 1.0,
+              "clients": {"a": [[9.0, 4.0, math.inf], [3.0, 1.0, 2.0], [5.0, 2.5, 6.0]]}}
+    save(result, tmp_path)  # the plot leaves the overflowed corner blank
+    assert (tmp_path / "landscape.png").stat().st_size > 0
+    raw = strict_loads((tmp_path / RESULT_FILE).read_text())
+    assert raw["clients"]["a"][0][2] is None
+    back = read_result(tmp_path / RESULT_FILE)
+    assert back["clients"]["a"][0][2] == math.inf and back["clients"]["a"][1] == [3.0, 1.0, 2.0]
+    sharp = sharpness(back)["a"]  # the overflowed corner is a high point: not the minimum, and not flat
+    assert sharp["centre"] == sharp["minimum"] == 1.0 and sharp["minimum_offset"] == 0.0
+    assert sharp["mean_rise"] == math.inf
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_dumps_never_writes_a_bare_constant(value):
+    assert strict_loads(store.dumps({"x": [value, {"y": value}]})) == {"x": [None, {"y": None}]}
