@@ -75,6 +75,58 @@ def test_scaffold_corrects_every_local_gradient_by_c_minus_c_i(tiny_clients):
         torch.testing.assert_close(sc.model.state_dict()[k], v, rtol=1e-5, atol=1e-6)
 
 
+def scaffold_step_by_hand(sc, client, round_index):
+    """Karimireddy et al. Alg. 1 for one client, written out: local SGD whose every gradient gets c - c_i added,
+    then option II, c_i+ = c_i - c + (x - y_i) / (K lr). Returns (y_i's state, c_i+)."""
+    c = {k: sc.algorithm_server_state[f"c.{k}"] for k in sc.shared_params}
+    ci = {k: sc.algorithm_states.get(client.name, {}).get(f"c_i.{k}", torch.zeros_like(c[k])) for k in c}
+    x = {k: v.clone() for k, v in sc.global_state.items()}
+    model = copy.deepcopy(sc.model)
+    model.load_state_dict(x)
+    params = dict(model.named_parameters())
+    handles = [params[k].register_hook(lambda g, d=c[k] - ci[k]: g + d) for k in sc.shared_params]
+    seed = derive_seed(1, round_index, sc._index[client.name], 2)
+    torch.manual_seed(seed)
+    result, _ = train_locally(model, client.train, TRAIN, generator=torch.Generator().manual_seed(seed),
+                              prepare=normalize_batch)
+    for h in handles:
+        h.remove()
+    new_ci = {k: ci[k] - c[k] + (x[k] - params[k].detach()) / (result.num_steps * TRAIN.lr) for k in c}
+    return model.state_dict(), new_ci
+
+
+def test_scaffold_with_sampled_clients_updates_c_by_the_sampled_share(tiny_clients):
+    """Two rounds with 2 of N = 3 clients sampled: participants' c_i follow option II from their own c_i and the
+    server's c, the others' c_i stay, c moves by (|S| / N) times the participants' mean change, and the model is
+    the sample-weighted mean of the participants' corrected local models."""
+    sc = engine(tiny_clients, resolve_method("scaffold"), fraction=0.67)
+    seen = set()
+    for r in (0, 1):
+        participants = sc.sample_clients(r)
+        assert len(participants) == 2
+        seen |= {c.name for c in participants}
+        old_c = {k: sc.algorithm_server_state[f"c.{k}"].clone() for k in sc.shared_params}
+        old_ci = copy.deepcopy(sc.algorithm_states)
+        by_hand = {c.name: scaffold_step_by_hand(sc, c, r) for c in participants}
+        sc.run_round()
+        n = torch.tensor([c.num_train for c in participants], dtype=torch.float64)
+        weights = n / n.sum()
+        for k in sc.shared_params:
+            for c in participants:
+                torch.testing.assert_close(sc.algorithm_states[c.name][f"c_i.{k}"], by_hand[c.name][1][k],
+                                           rtol=1e-4, atol=1e-6)
+            for c in tiny_clients:
+                if c.name not in by_hand and c.name in old_ci:
+                    assert torch.equal(sc.algorithm_states[c.name][f"c_i.{k}"], old_ci[c.name][f"c_i.{k}"])
+            change = torch.stack([by_hand[c.name][1][k] - old_ci.get(c.name, {}).get(f"c_i.{k}", 0 * old_c[k])
+                                  for c in participants]).mean(dim=0)
+            torch.testing.assert_close(sc.algorithm_server_state[f"c.{k}"], old_c[k] + (2 / 3) * change,
+                                       rtol=1e-4, atol=1e-6)
+            mean = sum(w * by_hand[c.name][0][k].double() for w, c in zip(weights, participants)).float()
+            torch.testing.assert_close(sc.global_state[k], mean, rtol=1e-5, atol=1e-6)
+    assert seen == {c.name for c in tiny_clients}  # round 1 drew a client that round 0 did not
+
+
 def test_scaffold_with_client_specific_bn_has_no_control_variate_for_bn(tiny_clients):
     sc = engine(tiny_clients, resolve_method("scaffold", policy="local_bn"))
     sc.run_round()

@@ -65,15 +65,39 @@ def test_fbn_layers_count_the_rounds_participants_under_sampling(monkeypatch):
     assert seen == [{2}] * 6
 
 
-def test_dsgd_naive_bn_differs_from_centralized_bn():
+def test_dsgd_naive_bn_misses_exactly_the_between_client_term(monkeypatch):
+    """One DSGD round from the (0, 1) start, first BN layer (momentum beta): each naive client folds its own batch
+    in, v_i = (1 - beta) + beta K/(K-1) s_i^2, and the server averages the v_i. Centralized BN folds in the union
+    batch: (1 - beta) + beta Kn/(Kn-1) (mean_i s_i^2 + mean_i (m_i - m)^2). Both recomputed from the clients'
+    own layers (m_i = running_mean_i / beta)."""
+    import fednorm.engines.client_step as step
+
+    trained, real = {}, step.train_locally
+
+    def spy(model, data, *args, **kwargs):
+        out = real(model, data, *args, **kwargs)
+        trained[len(trained)] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return out
+
+    monkeypatch.setattr(step, "train_locally", spy)
     clients = _clients()
     naive = _engine(resolve_method("naive_bn"), clients, norm="bn")
     central = _engine(resolve_method("centralized_bn"), clients, norm="bn")
+    height, width = naive.model.features[0](_prepare64(clients[0].train.x[:1])).shape[-2:]
     naive.run_round()
     central.run_round()
-    # naive BN averages running variances without the between-client term: smaller than centralized
-    key = "features.1.running_var"
-    assert float(naive.global_state[key].mean()) < float(central.global_state[key].mean())
+    beta, n, k = naive.model.features[1].momentum, len(clients), DSGD.batch_size * height * width
+    means = torch.stack([trained[i]["features.1.running_mean"] for i in range(n)]) / beta
+    own = torch.stack([trained[i]["features.1.running_var"] for i in range(n)])
+    torch.testing.assert_close(naive.global_state["features.1.running_var"], own.mean(0), rtol=1e-12, atol=1e-12)
+    biased = (own - (1 - beta)) / beta * (k - 1) / k  # each client's batch variance s_i^2
+    between = ((means - means.mean(0)) ** 2).mean(0)
+    kn = k * n
+    torch.testing.assert_close(central.global_state["features.1.running_var"],
+                               (1 - beta) + beta * kn / (kn - 1) * (biased.mean(0) + between), rtol=1e-9, atol=1e-10)
+    # the clients' brightness shifts make the missing term large next to the difference in unbiasing
+    assert (central.global_state["features.1.running_var"] - naive.global_state["features.1.running_var"]
+            > 0.5 * beta * between).all()
 
 
 def test_union_batches_need_fixed_steps_and_byzantine_clients_must_exist():

@@ -1,5 +1,7 @@
 """FedWon, FixBN and cross-device federations in the in-process engine."""
 
+import math
+
 import pytest
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -117,13 +119,27 @@ def test_fixbn_default_switch_is_half_the_rounds():
 
 
 def test_frozen_bn_normalizes_with_running_statistics_in_training():
+    """FixBN's second phase: every training step normalizes with the running statistics (so at lr 0 the training
+    loss is the evaluation-mode loss, sample by sample) and leaves them, and the counter, untouched."""
     torch.manual_seed(0)
-    model = DigitCNN(width=0.125, classifier="fedwon")
+    model = DigitCNN(width=0.125)  # BatchNorm in features and classifier, no dropout
+    with torch.no_grad():  # running statistics that are not the initial 0 / 1
+        model.train()
+        for seed in (7, 8):
+            model(normalize_batch(make_split(16, seed=seed).x))
+    before = {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k}
     data = make_split(8, seed=3)
-    train_locally(model, data, LocalTraining(batch_size=1, lr=0.0), generator=torch.Generator().manual_seed(0),
-                  prepare=normalize_batch, freeze_bn_stats=True)  # batches of one are fine once frozen
+    model.eval()
+    with torch.no_grad():
+        eval_loss = torch.nn.functional.cross_entropy(model(normalize_batch(data.x)), data.y).item()
+    result, _ = train_locally(model, data, LocalTraining(batch_size=1, lr=0.0),
+                              generator=torch.Generator().manual_seed(0), prepare=normalize_batch,
+                              freeze_bn_stats=True)  # batches of one are fine once frozen
+    assert result.num_steps == 8
+    assert result.mean_loss == pytest.approx(eval_loss, rel=1e-5)
     assert all(not m.training for m in model.modules() if isinstance(m, _BatchNorm))
-    assert all(int(m.num_batches_tracked) == 0 for m in model.modules() if isinstance(m, _BatchNorm))
+    for k, v in before.items():
+        assert torch.equal(model.state_dict()[k], v), k
 
 
 def test_cross_device_refuses_methods_with_client_state():
@@ -157,7 +173,13 @@ def test_cross_device_sampling_is_seeded_and_keeps_no_client_state():
 def test_batch_size_one_trains_fedwon_and_refuses_batchnorm(tiny_clients):
     one = LocalTraining(batch_size=1, lr=0.01)
     model = build_model("digit_cnn", norm="ws", classifier="fedwon", width=0.125)
-    make_engine(tiny_clients, "fedwon", model, training=one).run_round()
+    eng = make_engine(tiny_clients, "fedwon", model, training=one)
+    before = {k: v.clone() for k, v in eng.global_state.items()}
+    results = eng.run_round()
+    for c in tiny_clients:  # one step per sample, every loss finite
+        assert results[c.name].num_steps == results[c.name].num_examples == c.num_train
+        assert math.isfinite(results[c.name].mean_loss)
+    assert all(not torch.equal(eng.global_state[k], before[k]) for k in ("features.0.weight", "features.0.gain"))
     with pytest.raises(ValueError, match="batch_size 1"):
         make_engine(tiny_clients, "fedavg", DigitCNN(width=0.125), training=one).run_round()
 

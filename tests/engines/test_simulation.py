@@ -20,36 +20,60 @@ def engine(clients, method, *, model=None, seed=0, training=TRAIN, **fed):
                            Federation(seed=seed, channels_last=False, **fed), normalize_batch)
 
 
-def trained_alone(eng, client, round_index=0):
-    """What ``client`` computes in ``round_index`` from the engine's current state, recomputed by hand."""
+def trained_alone(eng, client, round_index=0, optimizer_state=None):
+    """What ``client`` computes in ``round_index`` from the engine's current state (and, given, the optimizer
+    state it kept), recomputed by hand."""
     model = copy.deepcopy(eng.model)
     model.load_state_dict({**eng.global_state, **eng.local_states.get(client.name, {})})
     seed = derive_seed(eng.federation.seed, round_index, eng._index[client.name], 2)
     torch.manual_seed(seed)
     train_locally(model, client.train, eng.training, generator=torch.Generator().manual_seed(seed),
-                  prepare=normalize_batch)
+                  prepare=normalize_batch, optimizer_state=copy.deepcopy(optimizer_state))
     return model.state_dict()
+
+
+def sample_weighted_mean(clients, states: dict, key: str) -> torch.Tensor:
+    n = torch.tensor([c.num_train for c in clients], dtype=torch.float64)
+    return sum(w * states[c.name][key].double() for w, c in zip(n / n.sum(), clients)).float()
+
+
+# what each policy keeps on the client, named from the papers (not from the engine): FedBN every BatchNorm entry,
+# SiloBN its running statistics (affine averaged), FedAvg nothing
+BN_ENTRIES = {"fedavg": (), "fedbn": ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"),
+              "silobn": ("running_mean", "running_var", "num_batches_tracked")}
+
+
+def bn_keys(model: torch.nn.Module, entries) -> set[str]:
+    return {f"{prefix}.{entry}" for prefix, module in model.named_modules()
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for entry in entries}
 
 
 @pytest.mark.parametrize("method", ["fedavg", "fedbn", "silobn"])
 def test_round_averages_exactly_the_shared_state_and_keeps_the_rest_local(tiny_clients, method):
+    """Two rounds: in round 1 each client starts from the averaged state plus its own local entries of round 0
+    (``trained_alone`` loads them), never another client's; the server averages exactly the rest."""
     eng = engine(tiny_clients, method, weighting="samples")
-    expected = {c.name: trained_alone(eng, c) for c in tiny_clients}
-    eng.run_round()
-    n = torch.tensor([c.num_train for c in tiny_clients], dtype=torch.float64)
-    p = n / n.sum()
-    for key in eng.shared_keys:
-        values = [expected[c.name][key] for c in tiny_clients]
-        if values[0].is_floating_point():
-            mean = sum(w * v.double() for w, v in zip(p, values)).float()
-            torch.testing.assert_close(eng.global_state[key], mean, rtol=1e-5, atol=1e-6)
-        else:  # counters: never averaged as floats
-            assert eng.global_state[key].dtype == torch.long
-            assert int(eng.global_state[key]) == max(int(v) for v in values)
-    for c in tiny_clients:
-        assert set(eng.local_states.get(c.name, {})) == set(eng.local_keys)
-        for key in eng.local_keys:
-            torch.testing.assert_close(eng.local_states[c.name][key], expected[c.name][key])
+    local = bn_keys(eng.model, BN_ENTRIES[method])
+    assert set(eng.local_keys) == local
+    assert set(eng.shared_keys) == set(eng.model.state_dict()) - local
+    for round_index in (0, 1):
+        expected = {c.name: trained_alone(eng, c, round_index) for c in tiny_clients}
+        eng.run_round()
+        for key in eng.shared_keys:
+            values = [expected[c.name][key] for c in tiny_clients]
+            if values[0].is_floating_point():
+                torch.testing.assert_close(eng.global_state[key], sample_weighted_mean(tiny_clients, expected, key),
+                                           rtol=1e-5, atol=1e-6)
+            else:  # counters: never averaged as floats
+                assert eng.global_state[key].dtype == torch.long
+                assert int(eng.global_state[key]) == max(int(v) for v in values)
+        for c in tiny_clients:
+            assert set(eng.local_states.get(c.name, {})) == local
+            for key in local:
+                torch.testing.assert_close(eng.local_states[c.name][key], expected[c.name][key])
+    if local:  # the clients' local entries really are their own (the domains differ in brightness)
+        stats = [eng.local_states[c.name]["features.1.running_mean"] for c in tiny_clients]
+        assert not torch.allclose(stats[0], stats[2])
 
 
 def test_fedbn_clients_evaluate_with_their_own_bn_and_fedavg_with_one_model(tiny_clients):
@@ -237,11 +261,17 @@ def test_checkpoint_round_trip_continues_identically(tiny_clients):
 
 
 def test_fedbn_client_state_is_only_bn(tiny_clients):
+    """A client's state is exactly its BatchNorm entries (5 per BN layer of the digit CNN's 5), nothing else; the
+    server's copy of them stays the initial one (what a client that never trained would start from)."""
     eng = engine(tiny_clients, "fedbn")
+    expected = bn_keys(eng.model, BN_ENTRIES["fedbn"])
+    assert len(expected) == 25
+    initial = {k: eng.global_state[k].clone() for k in expected}
     eng.run_round()
-    model_size = sum(v.numel() for v in eng.global_state.values())
     for state in eng.local_states.values():
-        assert sum(v.numel() for v in state.values()) < 0.05 * model_size
+        assert set(state) == expected
+    for k in expected:
+        assert torch.equal(eng.global_state[k], initial[k]), k
 
 
 def test_persistent_optimizer_keeps_momentum_per_client_and_fresh_does_not(tiny_clients):
@@ -255,8 +285,15 @@ def test_persistent_optimizer_keeps_momentum_per_client_and_fresh_does_not(tiny_
     assert all(s["state"] for s in kept.optimizer_states.values())  # momentum buffers exist
     for k in fresh.global_state:  # identical first round: the optimizers start the same
         assert torch.equal(fresh.global_state[k], kept.global_state[k])
+    # round 2: each client of `kept` resumes from its own momentum buffers, each of `fresh` from none
+    expect_kept = {c.name: trained_alone(kept, c, 1, kept.optimizer_states[c.name]) for c in tiny_clients}
+    expect_fresh = {c.name: trained_alone(fresh, c, 1) for c in tiny_clients}
     fresh.run_round()
     kept.run_round()
+    for eng, expected in ((kept, expect_kept), (fresh, expect_fresh)):
+        for key in ("features.0.weight", "classifier.6.bias"):
+            torch.testing.assert_close(eng.global_state[key], sample_weighted_mean(tiny_clients, expected, key),
+                                       rtol=1e-5, atol=1e-6)
     assert not torch.equal(fresh.global_state["features.0.weight"], kept.global_state["features.0.weight"])
 
 

@@ -113,7 +113,27 @@ def test_fedbn_code_prox_schedule_skips_the_term_on_each_epoch_first_step():
     # one full batch per epoch: every step starts an epoch, so the skipped schedule is plain SGD
     assert torch.equal(trained(True, 2, 16), plain(2, 16))
     assert not torch.allclose(trained(False, 2, 16), plain(2, 16))
-    # two batches per epoch: the second step of each epoch carries the term
+    # two batches per epoch: the second step of each epoch (steps 1 and 3) carries the term, written out by hand
+    # on the batches train_locally draws (read through `prepare`)
+    seen = []
+    torch.manual_seed(0)
+    probe = nn.Sequential(nn.Flatten(), nn.Linear(3 * 28 * 28, 10))
+    train_locally(probe, data, LocalTraining(batch_size=8, lr=0.0, epochs=2),
+                  generator=torch.Generator().manual_seed(0), prepare=lambda x: seen.append(x) or normalize_batch(x))
+    assert len(seen) == 4
+    rows = {tuple(x.flatten().tolist()): i for i, x in enumerate(data.x)}
+    batches = [torch.tensor([rows[tuple(x.flatten().tolist())] for x in b]) for b in seen]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 28 * 28, 10))
+    far = {k: v.detach() + 1.0 for k, v in model.named_parameters()}
+    for step, idx in enumerate(batches):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(normalize_batch(data.x[idx])), data.y[idx]).backward()
+        with torch.no_grad():
+            for k, w in model.named_parameters():
+                prox = 0.5 * (w - far[k]) if step in (1, 3) else 0.0
+                w -= 0.1 * (w.grad + prox)
+    torch.testing.assert_close(trained(True, 2, 8), model[1].weight.detach(), rtol=1e-5, atol=1e-6)
     assert not torch.allclose(trained(True, 2, 8), plain(2, 8))
 
 

@@ -179,8 +179,9 @@ def test_sign_flip_on_parameters_moves_the_mean_and_not_the_median():
     # pseudo-gradients x - x_k: honest -h, attackers +h (sign flip): mean = (7 (-h) + 3 h) / 10
     torch.testing.assert_close(mean["w"], x - (7 * (x - h) + 3 * (h - x)) / 10)
     med, _ = _run(ServerSpec("median", robust_f=3), x, values, threat=threat)
-    lo, hi = torch.stack(honest).min(0).values, torch.stack(honest).max(0).values
-    assert ((med["w"] >= lo) & (med["w"] <= hi)).all()
+    # sorted pseudo-gradients: -1.06 ... -1.00 (honest), +1.03 x 3: the median of ten is the mean of the 5th and
+    # 6th, (-1.02 - 1.01) / 2, so the model moves to x + 1.015, inside the honest range
+    torch.testing.assert_close(med["w"], torch.full((3,), 1.015, dtype=D))
 
 
 def _bn_round(spec, threat, means, vars_, fbn_beta=None, count=50):
@@ -204,7 +205,9 @@ def test_sign_flip_on_statistics_flips_the_mean_only_and_median_resists():
     torch.testing.assert_close(naive["bn.running_mean"], (7 * h - 3 * h) / 10)
     torch.testing.assert_close(naive["bn.running_var"], torch.tensor([1.0, 3.0], dtype=D))
     robust = _bn_round(ServerSpec("median", robust_f=3), threat, means, vars_)
-    assert (robust["bn.running_mean"] >= means[0]).all() and (robust["bn.running_mean"] <= means[6]).all()
+    # received: -h = (-1.3, -2.3) x 3 and the honest 1.0 ... 1.6 (2.0 ... 2.6): the 5th and 6th of ten are
+    # 1.1 and 1.2 (2.1 and 2.2)
+    torch.testing.assert_close(robust["bn.running_mean"], torch.tensor([1.15, 2.15], dtype=D))
     # FBN under attack without defense: the between-client term explodes; with the median it stays small
     fbn_attacked = _bn_round(ServerSpec(), threat, means, vars_, fbn_beta=0.1)
     fbn_median = _bn_round(ServerSpec("median", robust_f=3), threat, means, vars_, fbn_beta=0.1)
@@ -216,6 +219,14 @@ def test_sign_flip_on_statistics_flips_the_mean_only_and_median_resists():
     torch.testing.assert_close(fbn_attacked["bn.running_mean"], m)
     torch.testing.assert_close(fbn_attacked["bn.running_var"], torch.stack(vars_).mean(0) + between)
     assert (fbn_attacked["bn.running_var"] > 4 * fbn_clean["bn.running_var"]).all()
+    # robust (RM)/(RV): every average replaced by the median (of ten rows: the mean of the 5th and 6th), the
+    # squared deviations taken from the robust mean, Kn counting all n = 10 clients
+    middle = lambda rows: rows.sort(dim=0).values[4:6].mean(dim=0)  # noqa: E731
+    m_med = middle(sent)
+    torch.testing.assert_close(fbn_median["bn.running_mean"], m_med)
+    torch.testing.assert_close(fbn_median["bn.running_var"],
+                               middle(torch.stack(vars_)) + kn / ((kn - 1) * 0.1) * middle((sent - m_med) ** 2))
+    # (1.93, 3.93): the honest clients' spread, not the attackers' (no attack: 1.83, 3.83)
     assert (fbn_median["bn.running_var"] < 1.5 * fbn_clean["bn.running_var"]).all()
 
 
@@ -278,9 +289,23 @@ def test_robust_f_defaults_to_the_threats_byzantine_count():
     assert (default["bn.running_mean"] - honest).abs().max() < (zero["bn.running_mean"] - honest).abs().max()
 
 
-@pytest.mark.parametrize("rule", ["fedavgm", "fedadam", "fednova"])
+# the first server step, written out from each paper for this test's two clients: Delta = 0.25 * 1 + 0.75 * 3 = 2.5
+# (they send x + 1 and x + 3), server lr 0.5, beta 0.9, beta2 0.99, tau 1e-3, v initialised at tau^2 (Reddi et al.
+# Alg. 2, no bias correction); FedNova with a_k = tau_k = 1 and 2 local steps: d_k = (x - x_k) / a_k = -1, -1.5,
+# tau_eff = 0.25 * 1 + 0.75 * 2 = 1.75, x+ = x - tau_eff (0.25 d_0 + 0.75 d_1) = x + 1.75 * 1.375
+FIRST_STEP = {
+    "fedavgm": 0.5 * 2.5,  # v = 0.9 * 0 + 2.5
+    "fedadam": 0.5 * 0.25 / ((0.99e-6 + 0.01 * 6.25) ** 0.5 + 1e-3),  # m = 0.1 * 2.5, v = 0.99 tau^2 + 0.01 * 2.5^2
+    "fedyogi": 0.5 * 0.25 / ((1e-6 + 0.01 * 6.25) ** 0.5 + 1e-3),  # v = tau^2 - 0.01 * 2.5^2 * sign(tau^2 - 2.5^2)
+    "fedadagrad": 0.5 * 0.25 / ((1e-6 + 6.25) ** 0.5 + 1e-3),  # v = tau^2 + 2.5^2
+    "fednova": 1.75 * 1.375,
+}
+
+
+@pytest.mark.parametrize("rule", list(FIRST_STEP))
 def test_server_optimizers_step_on_parameters_and_average_the_bn_statistics(rule):
-    """The server rule moves the parameters only; BN running statistics (buffers) take the weighted mean."""
+    """The server rule moves the parameters only, by its paper's first step; BN running statistics (buffers)
+    take the weighted mean."""
     x = torch.tensor([1.0, -1.0], dtype=D)
     stats = {"bn.running_mean": torch.zeros(2, dtype=D), "bn.running_var": torch.ones(2, dtype=D)}
     state = {"w": x.clone(), **stats}
@@ -293,7 +318,7 @@ def test_server_optimizers_step_on_parameters_and_average_the_bn_statistics(rule
     new = server.finish()
     torch.testing.assert_close(new["bn.running_mean"], 0.25 * sent[0][0] + 0.75 * sent[1][0])
     torch.testing.assert_close(new["bn.running_var"], 0.25 * sent[0][1] + 0.75 * sent[1][1])
-    assert not torch.allclose(new["w"], 0.25 * (x + 1) + 0.75 * (x + 3))  # the rule did act on the parameters
+    torch.testing.assert_close(new["w"], x + FIRST_STEP[rule], rtol=1e-12, atol=1e-12)
 
 
 def test_robust_scope_statistics_takes_the_median_of_the_statistics_and_the_mean_of_the_parameters():

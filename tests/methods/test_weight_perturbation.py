@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fednorm.methods.agc import clip_unitwise_
+from fednorm.methods.agc import clip_unitwise_, unitwise_norm
 from fednorm.methods.weight_perturbation import WeightPerturbation
 
 D = torch.float64
@@ -111,8 +111,22 @@ def test_agc_as_a_hook_in_a_model_training_loop():
         loss.backward()
         return loss
 
-    losses = [float(opt.step(closure, grad_hook=lambda: clip_unitwise_(params, 0.64))) for _ in range(40)]
+    def ratios():  # per unit: ||g_delta|| / max(||W||, 1e-3), W the restored weights theta the step starts from
+        return torch.cat([(unitwise_norm(p.grad) / unitwise_norm(p.detach()).clamp(min=1e-3)).flatten()
+                          for p in params])
+
+    before, after = [], []
+
+    def hook():
+        before.append(ratios())
+        clip_unitwise_(params, 0.64)
+        after.append(ratios())
+
+    losses = [float(opt.step(closure, grad_hook=hook)) for _ in range(40)]
     assert losses[-1] < 0.7 * losses[0]
+    assert any((r > 0.64).any() for r in before)  # the clip acted, on the perturbed gradient
+    for b, a in zip(before, after):  # clipped units land on the threshold, the others keep their ratio
+        torch.testing.assert_close(a, torch.clamp(b, max=0.64), rtol=1e-5, atol=1e-7)
 
 
 def test_alpha_zero_is_the_plain_base_optimizer_and_adam_works():

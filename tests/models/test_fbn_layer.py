@@ -88,12 +88,18 @@ def test_training_output_uses_previous_shared_statistics_per_sample_and_equals_e
     layer.running_mean.copy_(torch.tensor([1.0, -2.0, 0.5]))
     layer.running_var.copy_(torch.tensor([4.0, 0.25, 1.0]))
     layer.weight.data.copy_(torch.tensor([2.0, 1.0, -1.0]))
+    layer.bias.data.copy_(torch.tensor([0.5, -1.0, 3.0]))
     x = torch.randn(6, 3, 4, 4, dtype=torch.float64, requires_grad=True)
     expected = (x.detach() - layer.running_mean.view(1, 3, 1, 1)) / torch.sqrt(layer.running_var.view(1, 3, 1, 1)
                                                                                + layer.eps) * layer.weight.view(1, 3, 1, 1)
+    expected = expected + layer.bias.detach().view(1, 3, 1, 1)
+    in_eval = FederatedBatchNorm2d(3).double()
+    in_eval.load_state_dict(layer.state_dict())
     before = layer.running_mean.clone()
     out = layer.train()(x)
     torch.testing.assert_close(out.detach(), expected)
+    # the same output as the layer in evaluation mode with the statistics from before the batch
+    torch.testing.assert_close(out.detach(), in_eval.eval()(x.detach()), rtol=1e-12, atol=1e-12)
     assert not torch.equal(layer.running_mean, before)  # the batch was folded into the running stats
     alone = FederatedBatchNorm2d(3).double()
     alone.load_state_dict({**layer.state_dict(), "running_mean": before,
