@@ -51,8 +51,13 @@ def test_gamma_sizes_are_equal_when_nothing_divides_evenly(n, gamma):
     n_iid = int(round(gamma * n))
     order = np.random.default_rng(1).permutation(n)
     iid = [set(a.tolist()) for a in np.array_split(order[:n_iid], 10)]
-    for p, share in zip(parts, iid):
+    # the rest, sorted by label (ties in draw order), cut into consecutive blocks that fill each client up
+    rest = order[n_iid:]
+    rest = rest[np.argsort(labels.numpy()[rest], kind="stable")]
+    fill = np.cumsum([0] + [len(a) - len(share) for a, share in zip(np.array_split(np.arange(n), 10), iid)])
+    for k, (p, share) in enumerate(zip(parts, iid)):
         assert share <= set(p.tolist())
+        assert set(p.tolist()) - share == set(rest[fill[k]:fill[k + 1]].tolist())
         block = sorted(set(p.tolist()) - share, key=lambda i: (int(labels[i]), i))
         if block:  # the rest of client k is one run of consecutive labels (sorted order is by label)
             classes = sorted({int(labels[i]) for i in block})
@@ -69,8 +74,29 @@ def test_dirichlet_skew_grows_as_alpha_shrinks_and_respects_min_size():
     assert mean_classes(0.1) < mean_classes(1.0) < mean_classes(100.0)
     a = dirichlet_partition(LABELS, 10, 0.5, seed=4)
     assert all(torch.equal(x, y) for x, y in zip(a, dirichlet_partition(LABELS, 10, 0.5, seed=4)))
+    assert not all(torch.equal(x, y) for x, y in zip(a, dirichlet_partition(LABELS, 10, 0.5, seed=5)))
     with pytest.raises(ValueError, match="exceed"):
         dirichlet_partition(LABELS, 200, 0.5, min_size=10)
+    with pytest.raises(ValueError, match="alpha must be > 0"):
+        dirichlet_partition(LABELS, 10, 0.0)
+    with pytest.raises(ValueError, match="no Dirichlet.*3 tries"):  # 99 of 100 samples on one client: never
+        dirichlet_partition(LABELS, 10, 1e-3, min_size=99, max_tries=3)
+
+
+def test_dirichlet_splits_each_class_by_its_own_draw_of_proportions():
+    """The per-class rule, written out for two classes over three clients: per class, a seeded shuffle of its
+    samples, then q ~ Dir(alpha 1), cut at int(cumsum(q) * n_c)."""
+    labels = torch.tensor([0] * 10 + [1] * 10)
+    parts = dirichlet_partition(labels, 3, 0.7, seed=11, min_size=0)
+    rng = np.random.default_rng(11)
+    expected = [[], [], []]
+    for c in (0, 1):
+        idx = rng.permutation(np.arange(10) + 10 * c)
+        q = rng.dirichlet([0.7, 0.7, 0.7])
+        cuts = [0, int(q[0] * 10), int((q[0] + q[1]) * 10), 10]
+        for k in range(3):
+            expected[k] += idx[cuts[k]:cuts[k + 1]].tolist()
+    assert [p.tolist() for p in parts] == [sorted(e) for e in expected]
 
 
 def test_label_skew_clients_split_the_training_pool_and_share_the_test_split():

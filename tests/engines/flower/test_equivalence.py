@@ -74,8 +74,14 @@ def test_a_domains_validation_score_is_the_union_of_its_clients_validation_split
             {k: v for k, v in b.items() if k not in ("acc", "loss")}
         if "acc" in a:  # float32 losses summed in another order: equal up to rounding
             assert a["acc"] == pytest.approx(b["acc"], rel=1e-12) and a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+    from fednorm.runs.runner import build_federation_data
+
     vals = [r for r in local["fedavg"] if r["split"] == "val"]
-    assert vals and all(r["n"] > 2 for r in vals)  # four clients' slices, not the first client's alone
+    clients = build_federation_data(config, None)
+    for r in vals:  # the four clients' slices of the domain, not the first client's alone
+        slices = [len(c.val) for c in clients if c.domain == r["client"]]
+        assert len(slices) == 4 and min(slices) > 0 and r["n"] == sum(slices)
+    assert {r["client"] for r in vals} == {c.domain for c in clients}
 
 
 def test_diagnostics_that_need_every_clients_data_are_refused_on_flower(tmp_path):

@@ -65,7 +65,15 @@ def test_a_stopped_flower_run_with_client_state_resumes_to_the_in_process_number
     state = str(tmp_path / "node_state")
     with pytest.raises(Stop):  # stopped after round 3: the checkpoint holds round 2, the nodes have round 3
         run_flower(config, tmp_path / "flower", state, stop_at(3))
-    run_flower(config, tmp_path / "flower", state, resume=True)  # new contexts: a new `flwr run`
+    checkpoint = store.load_checkpoint(tmp_path / "flower" / method / "seed0" / store.CHECKPOINT_FILE)
+    assert checkpoint["round"] == 2
+    snapshots = sorted(tmp_path.joinpath("node_state").rglob("round*.pt"))
+    assert snapshots and {p.name for p in snapshots} <= {"round2.pt", "round3.pt"}
+    assert "round3.pt" in {p.name for p in snapshots}
+    reported = []
+    run_flower(config, tmp_path / "flower", state, resume=True,  # new contexts: a new `flwr run`
+               progress=lambda label, seed, rnd, rounds, last: reported.append(rnd))
+    assert reported == [2, 3, 4]  # from the round-2 checkpoint: round 3 redone (its snapshot replaced), then 4
     cell = f"{method}/seed0/{store.METRICS_FILE}"
     assert store.read_metrics(tmp_path / "flower" / cell) == store.read_metrics(tmp_path / "in_process" / cell)
     rounds = [r["round"] for r in store.read_metrics(tmp_path / "flower" / method / "seed0" / PARTICIPATION_FILE)
