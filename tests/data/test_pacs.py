@@ -1,3 +1,5 @@
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -33,9 +35,14 @@ def test_federation_of_pacs_domains_has_seven_classes_and_stratified_clients(tmp
     assert num_classes(domains) == 7 and image_size(domains) == 64
     clients = build_clients(domains, data_dir=folder, percent=1.0, pool_size=50)
     assert [c.name for c in clients] == domains
-    for c in clients:
+    for i, c in enumerate(clients):
         assert c.num_train == 50 and c.train.x.shape[1:] == (3, 64, 64)
-        assert sorted(torch.bincount(c.test.y, minlength=7).tolist())[0] >= 1  # every class in the test split
+        # stratified: the domain's 70 + i images, classes cycling; the test split is sklearn's ceil(0.2 n) images
+        # (the official code's rounding: 14, 15, 15, 15), each class giving a fifth of its images rounded either way
+        n = 70 + i
+        per_class = np.bincount(np.arange(n) % 7)
+        test = torch.bincount(c.test.y, minlength=7).numpy()
+        assert test.sum() == math.ceil(0.2 * n) and (np.abs(test - 0.2 * per_class) < 1).all()
     with pytest.raises(ValueError, match="mix"):
         num_classes(["mnist", "pacs/photo"])
 

@@ -383,10 +383,19 @@ def test_corrupted_copies_of_one_domain_hold_out_the_same_images_for_validation(
     cfg = tiny_config(f"data.domains=[{', '.join(domains)}]", "data.val_fraction=0.25")
     clean, *copies = build_federation_data(cfg, None)
     assert len(clean.val) == 10 and len(clean.train) == 30
-    for copy in copies:
-        # the same images in the same order as the clean client (labels), so the same base positions
-        assert torch.equal(copy.val.y, clean.val.y) and torch.equal(copy.train.y, clean.train.y)
-        assert not torch.equal(copy.val.x, clean.val.x)  # yet corrupted
+    from fednorm.data.federation import load_domain
+
+    def whole(name):
+        return load_domain(name, data_dir=None, rendered_size=cfg.data.rendered_size, seed=cfg.data.split_seed).all()
+
+    row = {img.numpy().tobytes(): i for i, img in enumerate(whole(base).x)}
+    for split in ("val", "train"):
+        positions = torch.tensor([row[img.numpy().tobytes()] for img in getattr(clean, split).x])
+        for name, copy in zip(domains[1:], copies):
+            # each copy holds the corrupted versions of exactly the clean client's base images, in its order
+            torch.testing.assert_close(getattr(copy, split).x, whole(name).x[positions], rtol=0, atol=0)
+            assert torch.equal(getattr(copy, split).y, getattr(clean, split).y)
+            assert not torch.equal(getattr(copy, split).x, getattr(clean, split).x)  # yet corrupted
     # the positions held out depend on the partition only, not on the client's place in the federation
     alone = build_federation_data(tiny_config(f"data.domains=[{base}]", "data.val_fraction=0.25"), None)[0]
     assert torch.equal(alone.val.x, clean.val.x)

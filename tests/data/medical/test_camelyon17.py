@@ -41,6 +41,13 @@ def _bundle(root, sizes=SIZES, seed=0):
     return truth
 
 
+def patch_index(patches) -> dict[tuple, int]:
+    """Patch number by its colour (each of the bundle's patches has one of its own)."""
+    index = {colour: i for i, (_, colour) in enumerate(patches)}
+    assert len(index) == len(patches)  # the seeded colours are distinct
+    return index
+
+
 def test_prepare_and_load_harmofl_splits(tmp_path):
     raw = tmp_path / "raw" / "camelyon17_v1.0"
     truth = _bundle(raw)
@@ -62,15 +69,18 @@ def test_prepare_and_load_harmofl_splits(tmp_path):
     assert [int(v) for v in dom.test.x[0, :, 0, 0]] == [1, 2, 3]  # channel order, NCHW
     small = load_camelyon17("hospital2", data)
     assert (len(small.train), len(small.val), len(small.test)) == (16, 4, 5)
-    # seeded and disjoint: the three splits together are the hospital's patches
-    all_labels = torch.cat([dom.train.y, dom.val.y, dom.test.y]).sort().values
-    assert all_labels.tolist() == sorted(lab for lab, _ in truth[0])
+    # seeded and disjoint: the three splits together are the hospital's patches, each once with its own label
+    index = patch_index(truth[0])
+    found = [index[tuple(int(c) for c in img[:, 50, 50])] for split in (dom.train, dom.val, dom.test) for img in split.x]
+    assert sorted(found) == list(range(100))
+    labels = torch.cat([dom.train.y, dom.val.y, dom.test.y]).tolist()
+    assert labels == [truth[0][i][0] for i in found]
     assert torch.equal(load_camelyon17("hospital1", data, seed=0).train.x, dom.train.x)
     assert not torch.equal(load_camelyon17("hospital1", data, seed=1).train.x, dom.train.x)
 
 
 def test_slide_split_and_unifed_protocol(tmp_path):
-    _bundle(tmp_path / "raw")
+    truth = _bundle(tmp_path / "raw")
     data = tmp_path / "data"
     prepare_camelyon17(data, raw_dir=tmp_path / "raw", download=False)
     x, y, slide = cam.load_camelyon17_pool("hospital1", data)
@@ -79,6 +89,10 @@ def test_slide_split_and_unifed_protocol(tmp_path):
     assert len(dom.train) + len(dom.val) + len(dom.test) == 100
     # ten slides of ten patches: whole slides, 60/20/20 (the slide whose middle is in each share)
     assert (len(dom.train), len(dom.val), len(dom.test)) == (60, 20, 20)
+    index = patch_index(truth[0])
+    slides = [{index[tuple(int(c) for c in img[:, 50, 50])] % 10 for img in split.x}
+              for split in (dom.train, dom.val, dom.test)]
+    assert [len(s) for s in slides] == [6, 2, 2] and set().union(*slides) == set(range(10))  # no slide in two
     uni = load_unifed_camelyon17(data)
     # UniFed's external "hospital4-5" are the WILDS paper's OOD validation and test hospitals: WILDS centers 1 and 2
     assert list(uni) == ["hospital1", "hospital4", "hospital5", "hospital2", "hospital3"]

@@ -103,7 +103,15 @@ def test_prepare_and_load_with_seeded_order(tmp_path):
     assert dom.train.x.shape[1:] == (3, 384, 384) and dom.train.y.shape[1:] == (384, 384)
     assert dom.train.y.dtype == torch.uint8 and dom.num_classes == 2 and "seeded" in dom.description
     by_case = load_prostate("BIDMC", data, split_by="case")
-    assert len(by_case.train) + len(by_case.val) + len(by_case.test) == n
+    with np.load(paths[0]) as f:  # each loaded slice found among the stored ones: which case it belongs to
+        row = {img.tobytes(): i for i, img in enumerate(f["x"])}
+        case_of = f["case"]
+    assert len(row) == n
+    found = [[row[img.permute(1, 2, 0).numpy().tobytes()] for img in split.x]
+             for split in (by_case.train, by_case.val, by_case.test)]
+    assert sorted(sum(found, [])) == list(range(n))  # every slice once
+    cases = [{case_of[i].item() for i in rows} for rows in found]
+    assert sum(len(c) for c in cases) == len(set(case_of.tolist())) == 2  # no patient in two splits
     with pytest.raises(DataError, match="harmofl_order=True"):
         load_prostate("BIDMC", data, order="harmofl")
     hk = load_prostate("HK", data)  # "_Segmentation" masks; 5 slices: 3 / 1 / 1
