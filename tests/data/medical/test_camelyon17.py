@@ -71,7 +71,8 @@ def test_prepare_and_load_harmofl_splits(tmp_path):
     assert (len(small.train), len(small.val), len(small.test)) == (16, 4, 5)
     # seeded and disjoint: the three splits together are the hospital's patches, each once with its own label
     index = patch_index(truth[0])
-    found = [index[tuple(int(c) for c in img[:, 50, 50])] for split in (dom.train, dom.val, dom.test) for img in split.x]
+    found = [index[tuple(int(c) for c in img[:, 50, 50])]
+             for split in (dom.train, dom.val, dom.test) for img in split.x]
     assert sorted(found) == list(range(100))
     labels = torch.cat([dom.train.y, dom.val.y, dom.test.y]).tolist()
     assert labels == [truth[0][i][0] for i in found]
