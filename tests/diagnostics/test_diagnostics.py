@@ -104,6 +104,24 @@ def test_filter_normalized_direction_matches_each_filter_norm_and_ignores_biases
 DIAGNOSED = TINY + ["diagnostics.drift=true", "diagnostics.gradient_dissimilarity=true", "diagnostics.samples=32"]
 
 
+def measured_from_checkpoint(run_dir, label) -> dict[str, float]:
+    """The gradient dissimilarity of a cell's last checkpoint, recomputed client by client (size-weighted)."""
+    from fednorm.runs.runner import load_run_config
+
+    config = load_run_config(run_dir)
+    method = next(m for m in config.methods if m.display == label)
+    engine = build_engine(config, method, 0, build_federation_data(config, None))
+    engine.load_state_dict(store.load_checkpoint(run_dir / label / "seed0" / store.CHECKPOINT_FILE))
+    prepare = engine.runner.evaluation_prepare(engine.input_state)
+    gradients = []
+    for client in engine.clients:
+        engine.model.load_state_dict({**engine.global_state, **engine.local_states.get(client.name, {})})
+        gradients.append(full_gradient(engine.model, client.train, engine.training.task, prepare,
+                                       engine.shared_params, 32, engine.training.batch_size))
+    n = [c.num_train for c in engine.clients]
+    return dissimilarity(gradients, [k / sum(n) for k in n]).as_record()
+
+
 def test_diagnostics_are_recorded_and_plotted_without_changing_the_run(tmp_path):
     plain = start_run(load_config("default", TINY), tmp_path / "plain")
     diagnosed = start_run(load_config("default", DIAGNOSED + ["diagnostics.landscape=true",
@@ -118,6 +136,10 @@ def test_diagnostics_are_recorded_and_plotted_without_changing_the_run(tmp_path)
         diag = [r for r in records if r["split"] == "diagnostics"]
         assert [r["round"] for r in diag] == [2, 4]  # every evaluation round
         assert all(r["dissimilarity"] >= 1.0 - 1e-9 and r["pairwise"] > 0 for r in diag)
+        # the round-4 record is the measure of the final model: recomputed from the checkpoint, each client's
+        # full gradient over its first 32 training samples with its own local state, weighted by its size
+        measured = measured_from_checkpoint(tmp_path / "diag", label)
+        assert {k: diag[-1][k] for k in measured} == pytest.approx(measured, rel=1e-5)
         for png in ("drift.png", "dissimilarity.png", "landscape.png", "accuracy.png"):
             assert (cell / png).exists(), png
         result = json.loads((cell / "landscape.json").read_text())
