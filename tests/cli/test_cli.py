@@ -17,11 +17,17 @@ SETS = [arg for item in TINY for arg in ("--set", item)]
 
 
 def test_methods_lists_every_preset_with_one_line():
+    from fednorm.methods.presets import PRESETS
+
     result = runner.invoke(app, ["methods"])
     assert result.exit_code == 0
+    lines = result.output.splitlines()
+    assert [line.split()[0] for line in lines] == list(PRESETS)  # one line each, in order, nothing else
+    for line, (name, method) in zip(lines, PRESETS.items()):
+        assert method.summary and method.summary in line and f"policy {method.policy}" in line, name
     for name in ("fedavg", "fedprox", "fedbn", "silobn", "singleset", "centralized", "fedwon", "fedavg_gn",
-                 "fedavg_ln", "fedavg_nobn", "fixbn"):
-        assert name in result.output
+                 "fedavg_ln", "fedavg_nobn", "fixbn", "scaffold", "fednova", "moon", "fbn", "harmofl"):
+        assert name in PRESETS
 
 
 def test_run_prints_the_per_client_table_and_report_reads_it(tmp_path):
