@@ -302,8 +302,13 @@ def test_kill_minus_9_then_resume_equals_an_uninterrupted_run(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "killed" / "fedbn" / "seed0" / "summary.json").exists(), "run finished before the kill"
+    # killed between checkpoints (each round's) with rounds of metrics on disk; the resume starts from the checkpoint
+    # (that it does not retrain from round 0 is tests/runs/test_runner.py's resume test)
+    killed_at = torch.load(tmp_path / "killed" / "fedbn" / "seed0" / "checkpoint.pt", weights_only=False)["round"]
+    assert 1 <= killed_at < 6
     result = runner.invoke(app, ["resume", str(tmp_path / "killed"), "--quiet"])
     assert result.exit_code == 0, result.output
+    assert torch.load(tmp_path / "killed" / "fedbn" / "seed0" / "checkpoint.pt", weights_only=False)["round"] == 6
     straight = (tmp_path / "straight" / "fedbn" / "seed0" / "metrics.jsonl").read_text()
     assert metrics.read_text() == straight
 
