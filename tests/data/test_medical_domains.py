@@ -145,6 +145,22 @@ def test_nuclei_segmentation_through_the_runner_reports_dice(tmp_path):
     records = store.read_metrics(tmp_path / "run" / "fedbn" / "seed0" / "metrics.jsonl")
     evals = [r for r in records if r["split"] in ("test", "val")]
     assert evals and all(r["metric"] == "dice" and 0 <= r["acc"] <= 1 for r in evals)
+    # the recorded score is the foreground Dice 2|P & G| / (|P| + |G|) of each test image (every mask here has
+    # nuclei), averaged over the images: recomputed from the final checkpoint with each client's own BN
+    run_cfg = load_config(str(tmp_path / "run" / "config.yaml"))
+    engine = build_engine(run_cfg, run_cfg.methods[1], 0, build_federation_data(run_cfg, folder))
+    engine.load_state_dict(store.load_checkpoint(tmp_path / "run" / "fedbn" / "seed0" / store.CHECKPOINT_FILE))
+    prepare = engine.runner.evaluation_prepare(engine.input_state)
+    for client in engine.clients:
+        engine.model.load_state_dict({**engine.global_state, **engine.local_states[client.name]})
+        engine.model.eval()
+        with torch.no_grad():
+            predicted = engine.model(prepare(client.test.x)).argmax(dim=1).bool()
+        truth = client.test.y.bool()
+        overlap = (predicted & truth).sum(dim=(1, 2)).double()
+        dice = 2 * overlap / (predicted.sum(dim=(1, 2)) + truth.sum(dim=(1, 2))).double()
+        final = next(r for r in records if r["client"] == client.name and r["split"] == "test" and r["round"] == 2)
+        assert final["acc"] == pytest.approx(float(dice.mean()), rel=1e-6, abs=1e-9)
     assert "Test Dice (%)" in (tmp_path / "run" / "results.md").read_text()
     assert json.loads((tmp_path / "run" / "results.json").read_text())["score"] == "dice"
 
