@@ -167,19 +167,26 @@ def test_the_archive_is_downloaded_and_its_digests_checked(tmp_path, monkeypatch
 
 
 def test_corruption_clients_train_on_the_protocols_split(tmp_path, unofficial):
-    """Two corruption clients of one severity: each re-split 80/20 from its own pool of the severity's images."""
+    """Two corruption clients of one severity: each re-split 80/20 (sklearn's stratified split of the severity's
+    labels, seed 0) from its own pool of the severity's images. The release repeats the same clean images under
+    every corruption, so both clients hold the same image ids, each in its own corruption."""
+    from sklearn.model_selection import StratifiedShuffleSplit
+
     arrays, labels = _release(np.random.default_rng(4))
     _write_tar(tmp_path / "raw/CIFAR-10-C.tar", arrays, labels)
     data = tmp_path / "data"
     prepare.prepare_cifar10c(data, raw_dir=tmp_path / "raw", download=False, progress=False, corruptions=("fog", "snow"))
     clients = build_clients(["cifar10c/fog/5", "cifar10c/snow/5"], data_dir=data, percent=1.0, pool_size=16)
     assert [c.domain for c in clients] == ["cifar10c/fog/5", "cifar10c/snow/5"]
+    [(train_ids, test_ids)] = StratifiedShuffleSplit(n_splits=1, test_size=0.2, random_state=0).split(
+        np.zeros(N), labels[:N])
+    assert (len(train_ids), len(test_ids)) == (16, 4)
     for client, corruption in zip(clients, ("fog", "snow")):
-        seen = torch.cat([client.train.x, client.test.x])[:, 0, 0, 0].tolist()
-        assert sorted(seen) == sorted(set(seen)) and set(seen) <= {100 + i for i in range(N)}  # severity 5 only
-        pool = arrays[corruption][4 * N:]
-        for image in client.test.x:
-            assert any(np.array_equal(image.permute(1, 2, 0).numpy(), p) for p in pool)
+        pool = arrays[corruption][4 * N:]  # severity 5: image i has pixel (0, 0, 0) = 100 + i
+        for split, ids in ((client.train, train_ids), (client.test, test_ids)):
+            assert [int(v) - 100 for v in split.x[:, 0, 0, 0]] == ids.tolist()  # in sklearn's order
+            np.testing.assert_array_equal(split.x.permute(0, 2, 3, 1).numpy(), pool[ids])
+            assert split.y.tolist() == labels[ids].tolist()
 
 
 def test_the_unifed_cifar10c_preset_runs_on_a_prepared_folder(tmp_path, unofficial):
