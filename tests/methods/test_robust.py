@@ -125,13 +125,24 @@ def test_robust_fbn_resists_sign_flip_while_averaging_is_pulled_away(seed, name,
 @pytest.mark.parametrize("attack,kw", [("sign_flip", {}), ("sign_flip", {"own": True}),
                                        ("fall_of_empires", {}), ("fall_of_empires", {"eps": 5.0}),
                                        ("a_little_is_enough", {}), ("a_little_is_enough", {"z": 50.0})])
-def test_attacked_variances_are_never_negative(attack, kw):
-    ms, vs, beta, k = _honest_stats(0)
+def test_attacked_statistics_follow_each_attack_and_variances_are_never_negative(attack, kw):
+    ms, vs, beta, k = _honest_stats(0)  # 7 honest rows, f = 3, n = 10
     bm, bv = attack_statistics(attack, ms, vs, 3, **kw)
     assert bm.shape == bv.shape == (3, ms.shape[1])
     assert (bv >= 0).all()
-    if attack == "sign_flip":  # SF sends the variance honestly
+    if attack == "sign_flip":  # SF flips the mean only and sends the variance honestly
+        _close(bm, -ms[:3] if kw else -ms.mean(0).expand(3, -1))
         _close(bv, vs[:3] if kw else vs.mean(0).expand(3, -1))
+    elif attack == "fall_of_empires":  # -eps * honest mean, on the mean and on the variance (clamped at 0)
+        eps = kw.get("eps", 0.1)
+        _close(bm, (-eps * ms.mean(0)).expand(3, -1))
+        _close(bv, torch.zeros(3, ms.shape[1]))
+    else:  # mean - z * unbiased std; z_max(n=10, f=3) = Phi^-1(7/10)
+        z = kw.get("z", 0.5244005127080407)
+        _close(bm, (ms.mean(0) - z * ms.std(0)).expand(3, -1), atol=1e-10)
+        _close(bv, (vs.mean(0) - z * vs.std(0)).clamp(min=0).expand(3, -1), atol=1e-10)
+        if "z" in kw:
+            _close(bv, torch.zeros(3, ms.shape[1]))  # z = 50 would make every variance negative
     all_m, all_v = torch.cat([ms, bm]), torch.cat([vs, bv])
     for agg in (None, robust_aggregator("median", 3, True), robust_aggregator("krum", 3)):
         assert (aggregate_fbn(all_m, all_v, beta, k, aggregator=agg)[1] >= 0).all()

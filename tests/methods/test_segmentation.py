@@ -89,11 +89,21 @@ def test_batch_dice_sums_over_the_batch_and_per_image_averages():
     assert dice_loss(logits, target, include_background=False, batch_dice=False).item() == pytest.approx(1 - fg_img, rel=1e-5)
 
 
-def test_losses_are_differentiable():
+def test_losses_are_differentiable_and_both_halves_reach_the_gradient():
+    """The gradient of CE + Dice is that of (CE + 1 - soft batch Dice with background) / 2, written by hand:
+    a detached Dice half (an argmax, a .item()) would leave only the CE gradient."""
+    torch.manual_seed(0)
     logits = torch.randn(2, 2, 4, 4, requires_grad=True)
     target = torch.randint(0, 2, (2, 4, 4))
     ce_dice_loss(logits, target).backward()
-    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+    ref = logits.detach().clone().requires_grad_()
+    p, y, s = ref.softmax(1), F.one_hot(target, 2).movedim(-1, 1).float(), 1e-5
+    dice = (2 * (p * y).sum((0, 2, 3)) + s) / (p.sum((0, 2, 3)) + y.sum((0, 2, 3)) + s)
+    ((F.cross_entropy(ref, target) + 1 - dice.mean()) / 2).backward()
+    torch.testing.assert_close(logits.grad, ref.grad, rtol=1e-5, atol=1e-7)
+    ce_only = logits.detach().clone().requires_grad_()
+    (F.cross_entropy(ce_only, target) / 2).backward()
+    assert (ce_only.grad - ref.grad).abs().max() > 1e-3  # the Dice half is not negligible here
 
 
 def test_bad_inputs_are_refused():

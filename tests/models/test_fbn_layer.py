@@ -100,7 +100,11 @@ def test_training_output_uses_previous_shared_statistics_per_sample_and_equals_e
     torch.testing.assert_close(out.detach(), expected)
     # the same output as the layer in evaluation mode with the statistics from before the batch
     torch.testing.assert_close(out.detach(), in_eval.eval()(x.detach()), rtol=1e-12, atol=1e-12)
-    assert not torch.equal(layer.running_mean, before)  # the batch was folded into the running stats
+    # the batch folded into the running statistics with momentum 0.1, unbiased by K/(K-1) (one client: n = 1)
+    xd = x.detach()
+    torch.testing.assert_close(layer.running_mean, 0.9 * before + 0.1 * xd.mean((0, 2, 3)), rtol=0, atol=1e-12)
+    torch.testing.assert_close(layer.running_var, 0.9 * torch.tensor([4.0, 0.25, 1.0], dtype=torch.float64)
+                               + 0.1 * xd.var((0, 2, 3), correction=1), rtol=0, atol=1e-12)
     alone = FederatedBatchNorm2d(3).double()
     alone.load_state_dict({**layer.state_dict(), "running_mean": before,
                            "running_var": torch.tensor([4.0, 0.25, 1.0], dtype=torch.float64)})

@@ -1,10 +1,10 @@
 import pytest
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torchvision.models import densenet121 as tv_densenet121
 
 from fednorm.models.densenet import densenet121, replace_batchnorm
+from fednorm.models.fbn import FederatedBatchNorm2d
 from fednorm.models.norm import NORM_KINDS
 from fednorm.models.unet import UNet
 from fednorm.models.wsconv import NORM_LAYER_TYPES, WSConv2d
@@ -45,7 +45,10 @@ def test_unet_builds_and_trains_with_every_norm(norm):
     if norm in ("none", "ws"):
         assert not layers(model, NORM_LAYER_TYPES)
     else:
-        assert len(layers(model, NORM_LAYER_TYPES)) == 18  # 9 blocks x 2
+        norms = layers(model, NORM_LAYER_TYPES)
+        assert len(norms) == 18  # 9 blocks x 2
+        assert {type(m) for m in norms} == {{"bn": nn.BatchNorm2d, "fbn": FederatedBatchNorm2d, "gn": nn.GroupNorm,
+                                             "ln": nn.GroupNorm, "in": nn.InstanceNorm2d}[norm]}
     if norm == "ws":
         convs = [m for m in model.modules() if type(m) in (nn.Conv2d, WSConv2d)]
         assert sum(isinstance(c, WSConv2d) for c in convs) == 18 and type(model.head) is nn.Conv2d
@@ -103,13 +106,14 @@ def test_densenet_builds_and_trains_with_every_norm(norm):
     out.sum().backward()
     assert all(p.grad is not None for p in model.parameters())
     assert not any(type(m) is nn.BatchNorm2d for m in model.modules()) or norm == "bn"
-    expected = {"bn": nn.BatchNorm2d, "fbn": _BatchNorm, "gn": nn.GroupNorm, "ln": nn.GroupNorm, "in": nn.InstanceNorm2d}
+    expected = {"bn": nn.BatchNorm2d, "fbn": FederatedBatchNorm2d, "gn": nn.GroupNorm, "ln": nn.GroupNorm,
+                "in": nn.InstanceNorm2d}
     norms = layers(model, NORM_LAYER_TYPES)
     if norm in ("none", "ws"):
         assert not norms
     else:
         assert len(norms) == 2 * 58 + 3 + 2  # two per dense layer, one per transition, norm0, norm5
-        assert all(isinstance(m, expected.get(norm, nn.Module)) for m in norms)
+        assert {type(m) for m in norms} == {expected[norm]}
         if norm == "ln":
             assert all(m.num_groups == 1 for m in norms)
     if norm == "ws":

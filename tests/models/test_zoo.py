@@ -4,6 +4,7 @@ from torch import nn
 from torchvision.models import resnet18 as tv_resnet18
 
 from fednorm.models.alexnet import AlexNet
+from fednorm.models.fbn import FederatedBatchNorm1d, FederatedBatchNorm2d
 from fednorm.models.mobilenet import mobilenet_v2
 from fednorm.models.norm import NORM_KINDS
 from fednorm.models.resnet import PadShortcut, ResNet20, resnet18, resnet20
@@ -57,9 +58,13 @@ def test_every_model_builds_and_trains_with_every_norm(name, norm):
         assert all(c.bias is not None for c in convs)
     else:
         assert not layers(model, WSConv2d)
-    expected_norm = {"bn": nn.BatchNorm2d, "gn": nn.GroupNorm, "ln": nn.GroupNorm, "in": nn.InstanceNorm2d}
-    if norm in expected_norm:
-        assert {type(m) for m in layers(model, NORM_LAYER_TYPES)} <= {expected_norm[norm], nn.BatchNorm1d}
+    # exactly the requested layer type (FedBN's AlexNet also normalizes its classifier: the 1d kind there);
+    # "fbn" must build FBN layers, or the server finds none and the run silently becomes naive BN
+    expected_norm = {"bn": {nn.BatchNorm2d}, "fbn": {FederatedBatchNorm2d}, "gn": {nn.GroupNorm},
+                     "ln": {nn.GroupNorm}, "in": {nn.InstanceNorm2d}, "none": set(), "ws": set()}[norm]
+    if name == "alexnet_fedbn" and norm in ("bn", "fbn"):
+        expected_norm |= {nn.BatchNorm1d if norm == "bn" else FederatedBatchNorm1d}
+    assert {type(m) for m in layers(model, NORM_LAYER_TYPES)} == expected_norm
     if norm == "ln":
         assert all(g.num_groups == 1 for g in layers(model, nn.GroupNorm))
 
