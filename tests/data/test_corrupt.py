@@ -56,6 +56,18 @@ def test_every_corruption_works_on_small_images_and_is_deterministic(corruption)
         assert y.shape == (1, 3, h, w)
 
 
+def test_contrast_is_imagenet_cs_formula_at_each_severity():
+    """Contrast is deterministic: per image and channel, (x - mean) * c + mean on [0, 1], with ImageNet-C's
+    c = 0.4, 0.3, 0.2, 0.1, 0.05 for severities 1..5 (Hendrycks & Dietterich), truncated back to uint8.
+    36 x 33 images need no resizing (at least 32 x 32), so the output is the formula exactly."""
+    x = _images(2, 36, 33)
+    a = x.permute(0, 2, 3, 1).double().numpy() / 255.0
+    mean = a.mean(axis=(1, 2), keepdims=True)
+    for severity, c in zip(range(1, 6), [0.4, 0.3, 0.2, 0.1, 0.05]):
+        got = corrupt_images(x, "contrast", severity, seed=0, base="b").permute(0, 2, 3, 1).numpy()
+        np.testing.assert_array_equal(got, np.uint8(np.clip((a - mean) * c + mean, 0, 1) * 255))
+
+
 def test_random_corruptions_depend_on_the_seed_and_severity():
     x = _images(2)
     for c in ("gaussian_noise", "impulse_noise", "glass_blur", "frost", "fog", "snow"):

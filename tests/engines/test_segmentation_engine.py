@@ -61,11 +61,28 @@ def test_unet_federation_trains_and_reports_dice():
     assert abs(got - by_hand) < 1e-5
 
 
-def test_dice_loss_training_moves_the_model():
-    eng = engine("fedavg", Task("segmentation", "dice"))
-    before = {k: v.clone() for k, v in eng.global_state.items()}
+def test_dice_loss_training_steps_on_the_dice_gradient():
+    """loss: dice trains on soft Dice (background included, batch Dice: the nuclei preset's loss), not on CE:
+    one site, one full batch, plain SGD, so the round is exactly theta - lr * grad Dice(theta)."""
+    import copy
+
+    from fednorm.methods.segmentation import dice_loss
+
+    site = clients(1)
+    torch.manual_seed(0)
+    eng = InProcessEngine(UNet(width=0.125), site, resolve_method("fedavg"),
+                          LocalTraining(batch_size=8, lr=0.05, task=Task("segmentation", "dice")),
+                          Federation(seed=0, channels_last=False), normalize_batch)
+    start = {k: v.clone() for k, v in eng.global_state.items()}
     eng.run_round()
-    assert any(not torch.equal(before[k], v) for k, v in eng.global_state.items())
+    ref = copy.deepcopy(eng.model)
+    ref.load_state_dict(start)
+    ref.train()
+    data = site[0].train
+    params = dict(ref.named_parameters())
+    grads = torch.autograd.grad(dice_loss(ref(normalize_batch(data.x)), data.y.long()), list(params.values()))
+    for (name, p), g in zip(params.items(), grads):
+        torch.testing.assert_close(eng.global_state[name], p.detach() - 0.05 * g, rtol=1e-4, atol=1e-6, msg=name)
     assert all(e.metric == "dice" for e in eng.evaluate(("test",)))
 
 
@@ -75,7 +92,22 @@ def test_fedbn_keeps_batchnorm_local_on_the_unet():
     assert bn_keys and eng.local_keys == frozenset(bn_keys)  # weight, bias, running stats, counter of every BN
     init = {k: eng.global_state[k].clone() for k in bn_keys}
     eng.run_round()
+    replies, run = [], eng.runner.run
+
+    def recording(*args, **kwargs):
+        reply, message, result = run(*args, **kwargs)
+        replies.append({k: v.clone() for k, v in reply.state.items()})
+        return reply, message, result
+
+    eng.runner.run = recording
     eng.run_round()
+    # no BN entry leaves a client; every other entry is the plain mean of the three replies (8 images each)
+    assert len(replies) == 3 and not any(k in bn_keys for r in replies for k in r)
+    shared = set(eng.global_state) - bn_keys
+    assert all(set(r) == shared for r in replies)
+    for k in shared:
+        torch.testing.assert_close(eng.global_state[k].float(), torch.stack([r[k].float() for r in replies]).mean(0),
+                                   msg=k)
     # the server never touched the BN entries; each client has its own, and they differ across clients
     assert all(torch.equal(eng.global_state[k], init[k]) for k in bn_keys)
     stats = [eng.local_states[f"site{i}"]["encoders.0.norm1.running_mean"] for i in range(3)]
