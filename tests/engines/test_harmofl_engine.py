@@ -49,8 +49,26 @@ def test_amplitude_normalization_protocol(tiny_clients):
     assert len(client_amps) == 3 and not torch.allclose(client_amps[0], client_amps[2])  # brightness-shifted
     torch.testing.assert_close(eng.input_state["amp.global"], torch.stack(client_amps).mean(0))
     seen.clear()
+    inputs = []
+    hook = eng.model.register_forward_pre_hook(lambda module, args: inputs.append(args[0].detach().clone()))
     eng.run_round()
+    hook.remove()
     assert all("amp.client" not in m for m in seen)  # frozen: nothing more is sent
+    # round 2 trains every client on its images carrying the broadcast global amplitude (not its own): batches of
+    # 8 over 24 / 16 / 20 images, each forwarded twice (at theta and at theta + delta, weight perturbation)
+    # (The self-conjugate Nyquist frequencies (0, 14), (14, 0), (14, 14) of 28 x 28 are left out: where an image's
+    # own coefficient there is float32 noise its phase is arbitrary, and taking the real part, as the paper does,
+    # shrinks the swapped amplitude A to |A cos(phase)|. The DC, where the brightness shift sits, is a positive sum.)
+    assert len(inputs) == 2 * (3 + 2 + 3)
+    checked = torch.ones(28, 28, dtype=torch.bool)
+    checked[::14, ::14] = False
+    checked[0, 0] = True
+    glob = eng.input_state["amp.global"]
+    for first, second in zip(inputs[::2], inputs[1::2]):
+        assert torch.equal(first, second)
+        got = amplitude(first * 0.5 + 0.5)
+        torch.testing.assert_close(got[..., checked], glob[..., checked].expand(len(first), -1, -1),
+                                   rtol=1e-3, atol=1e-3)
     # evaluation normalizes every client's images to the global amplitude (before standardization)
     prepare = eng.runner.evaluation_prepare(eng.input_state)
     images = tiny_clients[2].test.x[:4]
