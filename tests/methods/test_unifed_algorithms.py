@@ -267,11 +267,29 @@ def test_perfedavg_hessian_free_step_matches_the_finite_difference_formula():
 
 @pytest.mark.parametrize("variant", ["fo", "hf"])
 def test_perfedavg_bn_statistics_move_only_with_the_real_forwards(variant):
+    """BN folds in D at theta, then D' at theta' = theta - alpha grad f(theta; D) (momentum 0.1, unbiased
+    variance); HF's perturbed forwards on D'' leave the statistics as they were."""
+    import copy
+
+    alpha = 0.3  # large enough that theta' is clearly not theta
     model = mlp(0, bn=True)
-    algo = ClientSpec("perfedavg", perfedavg_variant=variant).build()
-    train_locally(model, tiny_split(6, 2), LocalTraining(batch_size=6, lr=0.1), generator=torch.Generator(),
+    start = copy.deepcopy(model)
+    data = tiny_split(6, 2)
+    algo = ClientSpec("perfedavg", perfedavg_variant=variant, perfedavg_alpha=alpha).build()
+    train_locally(model, data, LocalTraining(batch_size=6, lr=0.1), generator=torch.Generator(),
                   prepare=prepare, schedule=[torch.arange(6)], algorithm=algo, context=context(model))
-    assert int(model[2].num_batches_tracked) == 2  # D and D'; HF's perturbed forwards are undone
+    assert int(model[2].num_batches_tracked) == 2  # D and D'
+    x, y = prepare(data.x), data.y
+    d, o = (slice(0, 3), slice(3, 6)) if variant == "fo" else (slice(0, 2), slice(2, 4))
+    ref = copy.deepcopy(start).train()  # a copy: its forward's statistics must not touch start's
+    g = torch.autograd.grad(F.cross_entropy(ref(x[d]), y[d]), list(ref.parameters()))
+    with torch.no_grad():
+        h_d = start[1](x[d].flatten(1))
+        h_o = F.linear(x[o].flatten(1), start[1].weight - alpha * g[0], start[1].bias - alpha * g[1])
+    torch.testing.assert_close(model[2].running_mean, 0.9 * 0.1 * h_d.mean(0) + 0.1 * h_o.mean(0))
+    torch.testing.assert_close(model[2].running_var, 0.9 * (0.9 + 0.1 * h_d.var(0)) + 0.1 * h_o.var(0))
+    # at theta instead of theta' the second forward would give other statistics
+    assert (start[1](x[o].flatten(1)).mean(0) - h_o.mean(0)).abs().max() > 1e-3
 
 
 def test_perfedavg_uses_a_batch_too_small_to_split_whole():
