@@ -95,7 +95,13 @@ def test_prepare_and_load_fedbn_vectors(tmp_path):
     with_val = load_abide("USM", data, fold=1, val_fraction=0.25)
     assert len(set(with_val.val.groups.tolist())) == 2
     s_tr, s_te = standardize_features(tr, te)
-    assert torch.allclose(s_tr.x.mean(0)[tr.x.std(0) > 0], torch.zeros(1), atol=1e-4)
+    # Fed_ABIDE's sepnorm: the site's TRAINING mean and std per feature, applied to its test split too
+    keep = tr.x.std(0) > 0
+    mean, std = tr.x.double().mean(0), tr.x.double().std(0)
+    torch.testing.assert_close(s_tr.x.mean(0)[keep], torch.zeros(int(keep.sum())), rtol=0, atol=1e-4)
+    torch.testing.assert_close(s_tr.x.std(0)[keep], torch.ones(int(keep.sum())), rtol=0, atol=1e-4)
+    torch.testing.assert_close(s_te.x.double()[:, keep], ((te.x.double() - mean) / std)[:, keep], rtol=1e-5,
+                               atol=1e-5)
     with pytest.raises(DataError, match="too few"):
         load_abide("USM", data, num_folds=6)
 

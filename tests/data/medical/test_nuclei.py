@@ -36,10 +36,11 @@ def _pair(folder, name, rng, h=48, w=64, xml=False):
 
 
 def test_documented_layout_with_png_and_xml_masks(tmp_path):
+    from PIL import Image
+
     rng = np.random.default_rng(0)
     raw = tmp_path / "raw"
-    for i in range(10):
-        _pair(raw / "monuseg2018" / "train", f"TCGA-{i:02d}", rng, xml=True)
+    train_images = [_pair(raw / "monuseg2018" / "train", f"TCGA-{i:02d}", rng, xml=True) for i in range(10)]
     for i in range(3):
         _pair(raw / "monuseg2018" / "test", f"TCGA-T{i}", rng, xml=True)
     for i in range(5):
@@ -50,6 +51,9 @@ def test_documented_layout_with_png_and_xml_masks(tmp_path):
         assert f["x_train"].shape == (10, 256, 256, 3) and f["y_train"].shape == (10, 256, 256)
         assert f["x_test"].shape == (3, 256, 256, 3)
         assert f["names_test"].tolist() == [f"TCGA-T{i}.tif" for i in range(3)]
+        assert f["names_train"].tolist() == [f"TCGA-{i:02d}.tif" for i in range(10)]
+        for x, img in zip(f["x_train"], train_images):  # each image itself, bilinear to 256 x 256
+            assert np.array_equal(x, np.asarray(Image.fromarray(img).resize((256, 256), Image.BILINEAR)))
         assert set(np.unique(f["y_train"])) == {0, 1}
         # the rectangle X 10..30, Y 10..20 of a 64 x 48 image, scaled to 256 x 256
         assert f["y_train"][0, 60, 80] == 1 and f["y_train"][0, 200, 80] == 0
@@ -71,12 +75,16 @@ def test_rasterize_xml_fills_every_region():
 
 
 def test_tnbc_release_zip_and_folders(tmp_path):
+    from PIL import Image
+
     rng = np.random.default_rng(1)
     staging = tmp_path / "TNBC_NucleiSegmentation"
+    images = {}
     for slide in (1, 2):
         for k in range(5):
             img = rng.integers(0, 256, (32, 32, 4), dtype=np.uint8)  # TNBC slides are RGBA PNGs
             img[..., 3] = 255
+            images[f"{slide:02d}_{k}.png"] = img[..., :3]
             write_image(staging / f"Slide_{slide:02d}" / f"{slide:02d}_{k}.png", img)
             mask = np.zeros((32, 32), np.uint8)
             mask[k:k + 8, 4:12] = 255
@@ -95,6 +103,16 @@ def test_tnbc_release_zip_and_folders(tmp_path):
         assert f["x_train"].shape == (8, 256, 256, 3) and f["x_test"].shape == (2, 256, 256, 3)
         names = set(f["names_train"].tolist()) | set(f["names_test"].tolist())
         assert len(names) == 10 and all("Slide_" in n for n in names)
+        # each image with its own GT mask: the image bilinear to 256 x 256, the mask (rows k..k+8, columns 4..12
+        # of 32 x 32) nearest-neighbour, i.e. each pixel an 8 x 8 block
+        for split in ("train", "test"):
+            for name, x, y in zip(f[f"names_{split}"], f[f"x_{split}"], f[f"y_{split}"]):
+                base = str(name).rsplit("/", 1)[-1]
+                k = int(base[3])
+                want_x = np.asarray(Image.fromarray(images[base]).resize((256, 256), Image.BILINEAR))
+                want_y = np.zeros((256, 256), np.uint8)
+                want_y[8 * k: 8 * k + 64, 32:96] = 1
+                assert np.array_equal(x, want_x) and np.array_equal(y, want_y), name
     assert "zenodo" in manifest(data)["nuclei_tnbc"]["source"]
     # the unzipped folders give the same arrays
     staging.rename(raw / "tnbc")
