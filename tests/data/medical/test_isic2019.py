@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import csv
+import io
 import zipfile
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from fednorm.data.domain import DataError
 from fednorm.data.medical import ISIC_CENTERS, load_fed_isic2019, prepare_fed_isic2019
@@ -36,6 +38,14 @@ def _split_csv(root, per_center=(3, 1)):
     return rows
 
 
+def _shades_of_gray(img):
+    """FLamby's color_constancy (Shades of Gray, power 6, gamma None), written out, clipped to uint8."""
+    f = img.astype(np.float32)
+    rgb = np.power(np.mean(np.power(f, 6), (0, 1)), 1 / 6)
+    rgb = rgb / np.sqrt(np.sum(rgb ** 2.0))
+    return np.clip(f * (1 / (rgb * np.sqrt(3))), 0, 255).astype(np.uint8)
+
+
 def _images(folder, rows, shape):
     rng = np.random.default_rng(0)
     for r in rows:
@@ -53,6 +63,11 @@ def test_prepare_from_flamby_preprocessed_folder(tmp_path):
     with np.load(data / "fed_isic2019" / "msk.npz") as f:
         assert f["x_train"].shape == (3, 224, 224, 3) and f["x_test"].shape == (1, 224, 224, 3)
         assert f["y_train"].tolist() == [4, 5, 6] and f["names_test"].tolist() == ["ISIC_4te0000_downsampled"]
+        # FLamby's images already have short side 224: only the centre 224 x 224 is taken (columns 18..242 of 260)
+        names = [r[0] for r in rows if r[-3] == 4 and r[-2] == "train"]
+        for x, name in zip(f["x_train"], names, strict=True):
+            img = np.asarray(Image.open(raw / isic.PREPROCESSED_DIR / f"{name}.jpg").convert("RGB"))
+            assert np.array_equal(x, img[:, 18:242]), name
     assert "FLamby" in manifest(data)["fed_isic2019_bcn"]["source"]
     dom = load_fed_isic2019(0, data)
     assert dom.name == "fed_isic2019/bcn" and dom.num_classes == 8 and dom.val is None
@@ -72,13 +87,14 @@ def test_prepare_from_raw_folder_and_zip_applies_flamby_preprocessing(tmp_path):
     with np.load(tmp_path / "d1" / "fed_isic2019" / "bcn.npz") as f:
         x1 = f["x_train"]
     assert x1.shape == (1, 224, 224, 3)
-    # the same preprocessing applied by hand: resize short side to 224, colour constancy, JPEG, centre crop
-    from PIL import Image
-
-    src = np.asarray(Image.open(raw / isic.RAW_DIR / f"{rows[0][0]}.jpg").convert("RGB"))
-    expected = isic.center_crop(isic.flamby_preprocess(src), 224, "x")
-    assert np.array_equal(x1[0], expected)
-    assert isic.flamby_preprocess(src).shape == (224, 336, 3)
+    # FLamby's preprocessing by hand: short side to 224 (bilinear, 450 x 300 -> 336 x 224), colour constancy,
+    # a JPEG save at PIL's default quality, then the centre 224 x 224 (columns 56..280)
+    src = Image.open(raw / isic.RAW_DIR / f"{rows[0][0]}.jpg").convert("RGB")
+    buf = io.BytesIO()
+    Image.fromarray(_shades_of_gray(np.asarray(src.resize((336, 224), Image.BILINEAR)))).save(buf, format="JPEG")
+    preprocessed = np.asarray(Image.open(io.BytesIO(buf.getvalue())).convert("RGB"))
+    assert preprocessed.shape == (224, 336, 3)
+    assert np.array_equal(x1[0], preprocessed[:, 56:280])
 
     raw2 = tmp_path / "raw2"
     _split_csv(raw2, per_center=(1, 1))
@@ -88,7 +104,7 @@ def test_prepare_from_raw_folder_and_zip_applies_flamby_preprocessing(tmp_path):
     prepare_fed_isic2019(tmp_path / "d2", raw_dir=raw2, download=False, check_counts=False, centers=("bcn",), size=200)
     with np.load(tmp_path / "d2" / "fed_isic2019" / "bcn.npz") as f:
         assert f["x_train"].shape == (1, 200, 200, 3)
-        assert np.array_equal(f["x_train"][0], isic.center_crop(isic.flamby_preprocess(src), 200, "x"))
+        assert np.array_equal(f["x_train"][0], preprocessed[12:212, 68:268])  # the centre 200 x 200
 
 
 def test_flamby_truncated_short_side_still_gives_the_full_crop(tmp_path):
@@ -108,11 +124,7 @@ def test_flamby_truncated_short_side_still_gives_the_full_crop(tmp_path):
 def test_color_constancy_is_flambys_formula_clipped():
     rng = np.random.default_rng(0)
     img = rng.integers(0, 200, (20, 30, 3), dtype=np.uint8)
-    f = img.astype(np.float32)
-    rgb = np.power(np.mean(np.power(f, 6), (0, 1)), 1 / 6)
-    rgb = rgb / np.sqrt(np.sum(rgb ** 2.0))
-    ref = np.clip(f * (1 / (rgb * np.sqrt(3))), 0, 255).astype(np.uint8)
-    assert np.array_equal(isic.color_constancy(img), ref)
+    assert np.array_equal(isic.color_constancy(img), _shades_of_gray(img))
     assert isic.color_constancy(np.zeros((4, 4, 3), np.uint8)).max() == 0
 
 
