@@ -71,14 +71,40 @@ def test_moon_previous_model_is_the_clients_trained_model(tiny_clients):
         torch.testing.assert_close(e.algorithm_states["c0"][f"prev.{k}"].to(v.dtype), v)
 
 
-def test_feddc_client_sends_theta_plus_drift(tiny_clients):
-    e = engine(tiny_clients[:1], method("feddc", "shared"))
-    theta0 = {k: v.clone() for k, v in e.global_state.items()}
-    e.run_round()
-    # h_i = theta_i - theta0 after the first round, and the client sends theta_i + h_i = theta0 + 2 h_i
-    for k in e.shared_params:
-        h = e.algorithm_states["c0"][f"h_i.{k}"]
-        torch.testing.assert_close(e.global_state[k], theta0[k] + 2 * h, rtol=1e-5, atol=1e-6)
+def test_feddc_rounds_by_hand_penalty_drift_and_upload(tiny_clients):
+    """Two FedDC rounds of one client, replayed by hand: SGD whose gradient gets alpha (theta_i + h_i - theta)
+    (the correction g - g_i is zero for a lone client: g is its own g_i), then h_i += theta_i - theta and the
+    client sends theta_i + h_i, which the server (one client) takes as the new global model."""
+    import copy
+
+    from fednorm.engines.simulation import derive_seed
+    from fednorm.methods import train_locally
+
+    alpha = 0.5  # large enough that a dropped penalty shows far beyond the tolerance
+    e = engine(tiny_clients[:1], method("feddc", "shared", feddc_alpha=alpha))
+    theta, h = {k: v.clone() for k, v in e.global_state.items()}, {k: 0.0 for k in e.shared_params}
+    for r in range(2):
+        model = copy.deepcopy(e.model)
+        model.load_state_dict(theta)
+        params = dict(model.named_parameters())
+        hooks = [params[k].register_hook(lambda g, p=params[k], a=theta[k] - h[k]: g + alpha * (p.detach() - a))
+                 for k in e.shared_params]
+        seed = derive_seed(1, r, e._index["c0"], 2)
+        torch.manual_seed(seed)
+        train_locally(model, tiny_clients[0].train, TRAIN, generator=torch.Generator().manual_seed(seed),
+                      prepare=normalize_batch)
+        for hook in hooks:
+            hook.remove()
+        e.run_round()
+        trained = model.state_dict()
+        h = {k: h[k] + trained[k] - theta[k] for k in e.shared_params}
+        for k, v in e.global_state.items():
+            if k in e.shared_params:
+                torch.testing.assert_close(e.algorithm_states["c0"][f"h_i.{k}"], h[k], rtol=1e-5, atol=1e-6, msg=k)
+                torch.testing.assert_close(v, trained[k] + h[k], rtol=1e-5, atol=1e-6, msg=k)
+            else:  # BN running statistics: the client's own
+                torch.testing.assert_close(v.to(trained[k].dtype), trained[k], msg=k)
+        theta = {k: v.clone() for k, v in e.global_state.items()}
 
 
 def test_perfedavg_personalizes_before_evaluation(tiny_clients):
