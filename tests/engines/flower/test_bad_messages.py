@@ -64,7 +64,16 @@ def first_conv(state):
     (lambda s: s.pop(first_conv(s)), "missing"),
 ])
 def test_a_malformed_reply_is_left_out_and_the_weights_renormalized(tmp_path, caplog, edit, reason):
-    config = tiny_config(THREE, "federation.rounds=2", "federation.eval_every=2")
+    """Three clients of unequal size (one domain, gamma partition), weighted by sample count: the middle one's
+    reply is malformed, and the global model is the mean of the other two by THEIR sample counts."""
+    from fednorm.runs.runner import build_federation_data
+
+    config = tiny_config("data.domains=[rendered/print]", "data.partition=gamma", "data.num_clients=3",
+                         "federation.weighting=samples", "federation.rounds=2", "federation.eval_every=2")
+    clients = build_federation_data(config, None)
+    names = [c.name for c in clients]
+    sizes = {100: clients[0].num_train, 102: clients[2].num_train}
+    assert sizes[100] != sizes[102]  # sample-count and uniform weights differ
     kept: dict = {}
 
     def tamper(node_id, msg, reply):
@@ -74,21 +83,20 @@ def test_a_malformed_reply_is_left_out_and_the_weights_renormalized(tmp_path, ca
             kept[node_id] = m.decode_reply(reply.content, reply.content[m.CELL]["client"], 0.0)[0]
         return reply
 
-    grid, cell = run_fake(tmp_path, config, tamper)
+    grid, cell = run_fake(tmp_path, config, tamper, nodes=[{"client-index": i} for i in range(3)])
     rounds = participation(cell)
     assert [r["clients_used"] for r in rounds] == [3, 2]
-    assert list(rounds[1]["dropped"]) == ["rendered/neon"] and reason in rounds[1]["dropped"]["rendered/neon"]
+    assert list(rounds[1]["dropped"]) == [names[1]] and reason in rounds[1]["dropped"][names[1]]
     assert "left out of the round" in caplog.text and reason in caplog.text
     # the global model is the renormalized weighted mean of the two replies left (FedAvg by sample count)
     final = torch.load(cell / "checkpoint.pt", weights_only=False)["global_state"]
-    sizes = {100: 40, 102: 40}
     total = sum(sizes.values())
     for k in [k for k in kept[100].state if kept[100].state[k].is_floating_point()]:
         expected = sum(kept[n].state[k].double() * sizes[n] / total for n in kept)
         assert torch.allclose(final[k].double(), expected, atol=1e-6), k
     # the run went on: the evaluation after the last round covers every client
     tests = [r for r in store.read_metrics(cell / "metrics.jsonl") if r["split"] == "test"]
-    assert {r["client"] for r in tests} == {"rendered/print", "rendered/neon", "rendered/synth"}
+    assert {r["client"] for r in tests} == set(names)
 
 
 def test_an_error_reply_is_left_out(tmp_path):
