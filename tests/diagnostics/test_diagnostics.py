@@ -166,10 +166,36 @@ def test_landscape_centre_is_each_clients_loss_at_its_model_and_the_model_is_res
         engine.load_client(client.name)
         _, loss = engine.evaluate_split(client.train.subset(torch.arange(16)))
         assert result["clients"][client.name][1][1] == pytest.approx(loss, rel=1e-5)
-    # the directions really move the shared weights: off-centre points have other losses than the centre
+    # off-centre points by hand: two Gaussian directions drawn in turn from the seeded generator, each filter
+    # (first-axis slice) of a weight tensor scaled to that filter's norm in the global model, zero for biases
+    # and other 1-D tensors (Li et al. 2018); point (i, j) is the global model + a_i d1 + b_j d2 on the shared
+    # weights, the client's own BN kept
+    g = torch.Generator().manual_seed(1)
+    ref = {k: engine.global_state[k].detach().float() for k in engine.shared_params}
+
+    def direction():
+        out = {}
+        for k, w in ref.items():
+            if w.dim() <= 1:
+                out[k] = torch.zeros_like(w)
+                continue
+            d = torch.randn(w.shape, generator=g)
+            scale = w.flatten(1).norm(dim=1) / d.flatten(1).norm(dim=1)
+            out[k] = d * scale.view(-1, *[1] * (w.dim() - 1))
+        return out
+
+    d1, d2 = direction(), direction()
+    assert result["coords"] == [-0.5, 0.0, 0.5]
     for client in engine.clients:
-        grid_losses = result["clients"][client.name]
-        assert grid_losses[0][0] != grid_losses[1][1] and grid_losses[2][2] != grid_losses[1][1]
+        for (i, j), (a, b) in {(0, 2): (-0.5, 0.5), (2, 1): (0.5, 0.0), (0, 0): (-0.5, -0.5)}.items():
+            engine.load_client(client.name)
+            with torch.no_grad():
+                for k, p in engine.model.named_parameters():
+                    if k in ref:
+                        p.copy_(ref[k] + a * d1[k] + b * d2[k])
+            _, loss = engine.evaluate_split(client.train.subset(torch.arange(16)))
+            assert result["clients"][client.name][i][j] == pytest.approx(loss, rel=1e-5), (client.name, i, j)
+            assert loss != result["clients"][client.name][1][1]  # the weights did move (the model is near ln 10)
     summary = sharpness(result)
     assert all(s["centre"] == result["clients"][c][1][1] for c, s in summary.items())
 
