@@ -53,6 +53,11 @@ def test_pixel_histogram_draws_a_seeded_sample_of_the_training_split():
     assert HIST_IMAGES == 100  # FedBN Fig. 6: "over random 100 samples for each dataset"
     a = pixel_histogram(view, seed=3)
     assert (a.split, a.images) == ("train", 100)
+    # the sample: the first 100 of NumPy's seeded permutation of the 240 training images, every pixel counted
+    pick = torch.from_numpy(np.random.default_rng(3).permutation(240)[:100])
+    sample = view.splits["train"].x[pick]
+    counts = np.stack([np.bincount(sample[:, c].reshape(-1).numpy(), minlength=256) for c in range(3)])
+    assert np.allclose(a.fractions, counts / counts.sum(axis=1, keepdims=True), rtol=0, atol=1e-12)
     assert np.array_equal(a.fractions, pixel_histogram(view, seed=3).fractions)
     assert not np.array_equal(a.fractions, pixel_histogram(view, seed=4).fractions)
     whole = pixel_histogram(view, max_images=None)
