@@ -25,7 +25,12 @@ def test_fedbn_table3_architecture():
 
 def test_fedwon_classifier_has_dropout_and_no_norm():
     model = DigitCNN(classifier="fedwon")
-    assert len(layers(model.classifier, nn.Dropout)) == 2
+    # FedWon Table 5: Dropout before FC1 and FC2 (p not stated: PyTorch's default 0.5), no normalization
+    assert [type(m) for m in model.classifier] == [nn.Dropout, nn.Linear, nn.ReLU, nn.Dropout, nn.Linear, nn.ReLU,
+                                                   nn.Linear]
+    assert [d.p for d in layers(model.classifier, nn.Dropout)] == [0.5, 0.5]
+    assert [(f.in_features, f.out_features) for f in layers(model.classifier, nn.Linear)] == [
+        (6272, 2048), (2048, 512), (512, 10)]
     assert not layers(model.classifier, nn.BatchNorm1d)
     assert len(layers(model.features, nn.BatchNorm2d)) == 3
 

@@ -155,7 +155,11 @@ def test_ws_digit_cnn_matches_fedwon_table5_and_works_at_batch_one():
     assert len(convs) == 3 and all(isinstance(c, WSConv2d) for c in convs)
     assert not [m for m in model.modules() if isinstance(m, NORM_LAYER_TYPES)]
     model.train()
-    assert model(torch.zeros(1, 3, 28, 28)).shape == (1, 10)  # no batch dependency: B = 1 works
+    assert model(torch.zeros(1, 3, 28, 28)).shape == (1, 10)  # B = 1 works
+    # no batch dependency in training mode: each sample's output is the same alone as in its batch
+    small = build_model("digit_cnn", norm="ws", classifier="fedwon", width=0.25, dropout=0.0).train()
+    x = torch.randn(4, 3, 28, 28)
+    torch.testing.assert_close(torch.cat([small(x[i:i + 1]) for i in range(4)]), small(x), rtol=1e-5, atol=1e-6)
 
 
 def test_none_norm_gives_no_norm_layers_and_plain_convs():
