@@ -17,6 +17,7 @@ TINY_HARMOFL = [
     "training.precision=fp32",
     "federation.rounds=2",
     "federation.eval_every=1",
+    "training.batch_size=128",  # one batch per client and round: its round-1 amplitude is the batch's mean
     "seeds=[0]",
     "methods=[fedavg, harmofl, {name: harmofl, label: harmofl-a0.5, weight_perturbation: 0.5}]",
 ]
@@ -34,6 +35,15 @@ def test_fednorm_run_of_a_tiny_harmofl_config(tmp_path):
     assert table["score"] == "accuracy"
     ckpt = torch.load(out / "harmofl" / "seed0" / "checkpoint.pt", weights_only=False)
     assert ckpt["round"] == 2 and ckpt["input_state"]["amp.global"].shape == (3, 28, 28)
+    # the global amplitude (Alg. 1 l.17): the uniform mean of the clients' round-1 amplitudes, each the mean
+    # per-channel FFT amplitude of the client's training images in [0, 1] (one batch: Eq. 3's first value)
+    from fednorm.runs.runner import build_federation_data
+
+    clients = build_federation_data(load_config("harmofl_digits", TINY_HARMOFL), None)
+    expected = torch.stack([torch.fft.fft2(c.train.x.double() / 255).abs().mean(0) for c in clients]).mean(0)
+    for label in ("harmofl", "harmofl-a0.5"):
+        amp = torch.load(out / label / "seed0" / "checkpoint.pt", weights_only=False)["input_state"]["amp.global"]
+        torch.testing.assert_close(amp, expected.float(), rtol=1e-5, atol=1e-4)
     assert "amp.global" not in torch.load(out / "fedavg" / "seed0" / "checkpoint.pt", weights_only=False)["input_state"]
     summary = json.loads((out / "harmofl-a0.5" / "seed0" / "summary.json").read_text())
     assert summary["metric"] == "accuracy" and len(summary["clients"]) == 2
