@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from fednorm.runs.fbn_toy import SCHEMES, ncm_accuracy, partition, plot_toy, run_toy, toy_table
+from fednorm.runs.fbn_toy import (SCHEMES, class_means, ncm_accuracy, partition, plot_toy, run_toy, sample_union,
+                                  toy_table)
 
 R, S, N, M, BETA, ROUNDS = 10.0, 1.0, 10, 30, 0.1, 100
 SIGMA = math.sqrt(R**2 / 2 + S**2)
@@ -58,6 +59,19 @@ def test_fbn_running_stats_equal_centralized_and_naive_variance_is_biased(runs):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     # naive BN averages within-client variances only: ~s^2 instead of ~sigma^2 (T4)
     assert (extreme["naive"][1] < 2 * S**2).all() and (extreme["centralized"][1] > SIGMA**2 / 2).all()
+    # the same rounds replayed in NumPy: centralized BN's EMA of the union batch (unbiased over the Kn points);
+    # naive BN's server mean of each client's EMA of its own batch (unbiased over its K points)
+    point_rng, part_rng = np.random.default_rng([0, 0]), np.random.default_rng([0, 1])
+    c_m, c_v, n_m, n_v = np.zeros(2), np.ones(2), np.zeros(2), np.ones(2)
+    for _ in range(ROUNDS):
+        raw, _ = sample_union(point_rng, class_means(N, R), M, S)
+        parts = partition(part_rng, N, M, 1.0)
+        c_m, c_v = (1 - BETA) * c_m + BETA * raw.mean(0), (1 - BETA) * c_v + BETA * raw.var(0, ddof=1)
+        n_m, n_v = (np.mean([(1 - BETA) * n_m + BETA * raw[p].mean(0) for p in parts], 0),
+                    np.mean([(1 - BETA) * n_v + BETA * raw[p].var(0, ddof=1) for p in parts], 0))
+    for scheme, (mean, var) in {"centralized": (c_m, c_v), "fbn": (c_m, c_v), "naive": (n_m, n_v)}.items():
+        torch.testing.assert_close(extreme[scheme][0], torch.from_numpy(mean), rtol=1e-10, atol=1e-10, msg=scheme)
+        torch.testing.assert_close(extreme[scheme][1], torch.from_numpy(var), rtol=1e-10, atol=1e-10, msg=scheme)
 
 
 def test_fbn_error_does_not_depend_on_heterogeneity_and_is_its_warmup(runs):
@@ -125,8 +139,21 @@ def test_deterministic_given_seed():
 
 
 def test_table_plot_and_errors(tmp_path):
-    rows = toy_table(levels=(0.0, 1.0), rounds=4)
+    rows = toy_table(levels=(0.0, 1.0), seeds=(0, 1), rounds=4)
     assert [r["level"] for r in rows] == [0.0, 1.0] and rows[1]["err_naive"] > rows[0]["err_naive"]
+    for row, level in zip(rows, (0.0, 1.0)):  # each column the mean over the seeds of its run's quantity
+        per_seed = [run_toy(level, rounds=4, seed=s) for s in (0, 1)]
+
+        def mean(get):
+            return pytest.approx(float(np.mean([get(r) for r in per_seed])), rel=1e-12)
+
+        assert row["shift"] == mean(lambda r: r["shift"])
+        assert row["err_fbn_late"] == mean(lambda r: r["error_late"]["fbn"])
+        for k in ("naive", "fbn", "fixbn"):
+            assert row[f"err_{k}"] == mean(lambda r: r["error"][k])
+        for k in SCHEMES:
+            assert row[f"acc_{k}"] == mean(lambda r: r["accuracy"][k])
+        assert row["acc_fixbn_final"] == mean(lambda r: r["accuracy_final"]["fixbn"])
     png = plot_toy(tmp_path / "toy.png", level=1.0, rounds=4, rows=rows)
     assert png.stat().st_size > 10_000
     with pytest.raises(ValueError, match="unknown classifier"):
