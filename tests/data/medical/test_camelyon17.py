@@ -111,7 +111,7 @@ def test_slide_split_and_unifed_protocol(tmp_path):
 
 def test_prepare_from_archive_and_subset(tmp_path, monkeypatch):
     bundle = tmp_path / "bundle"
-    _bundle(bundle, sizes=(6, 5, 4, 4, 4))
+    truth = _bundle(bundle, sizes=(6, 5, 4, 4, 4))
     raw = tmp_path / "raw"
     raw.mkdir()
     with tarfile.open(raw / "camelyon17_v1.0.tar.gz", "w:gz") as tar:
@@ -122,8 +122,16 @@ def test_prepare_from_archive_and_subset(tmp_path, monkeypatch):
     monkeypatch.setattr(cam, "CAMELYON17_ARCHIVE_BYTES", (raw / "camelyon17_v1.0.tar.gz").stat().st_size)
     prepare_camelyon17(tmp_path / "data", raw_dir=raw, download=False, max_per_hospital=3)
     assert (raw / "camelyon17_v1.0" / "metadata.csv").is_file()
-    x, y, _ = cam.load_camelyon17_pool("hospital1", tmp_path / "data")
-    assert x.shape == (3, 3, 96, 96)
+    # each hospital keeps a seeded subset of 3 patches, in metadata order, each with its own label: one generator
+    # (seed 0) draws hospital by hospital
+    rng = np.random.default_rng(0)
+    for k, n in enumerate((6, 5, 4, 4, 4)):
+        x, y, _ = cam.load_camelyon17_pool(f"hospital{k + 1}", tmp_path / "data")
+        assert x.shape == (3, 3, 96, 96)
+        index = patch_index(truth[k])
+        kept = [index[tuple(int(c) for c in img[:, 50, 50])] for img in x]
+        assert kept == np.sort(rng.choice(n, size=3, replace=False)).tolist()
+        assert y.tolist() == [truth[k][i][0] for i in kept]
 
 
 @pytest.mark.parametrize("filters", [True, False], ids=["extraction-filters", "python-without-filters"])
