@@ -49,8 +49,19 @@ def test_phases_add_up_to_the_round_and_the_reference_sees_the_same_batches():
         assert named >= r["round_s"] - max(0.25 * r["round_s"], 0.05)
         assert r["reference_samples"] == r["samples"] == sum(c.num_train for c in clients)
         assert r["participants"] == len(clients)
-    assert speed["client_state_bytes"] > 0  # FedBN keeps its BN entries on each client
-    assert speed["flops"]["train_per_sample"] > speed["flops"]["forward_per_sample"] > 0
+    # FedBN keeps exactly its BN entries (affine, running statistics, counter) on each client
+    from fednorm.models import DigitCNN
+
+    state = DigitCNN(width=0.125).state_dict()
+    bn = [f"{name}.{k}" for name, m in DigitCNN(width=0.125).named_modules()
+          if isinstance(m, nn.modules.batchnorm._BatchNorm) for k in m.state_dict()]
+    assert speed["client_state_bytes"] == len(clients) * sum(state[k].numel() * state[k].element_size() for k in bn)
+    # FLOPs of the width-1/8 digit CNN at 28 x 28 (multiply-adds x 2: convs 3-8-8-16 of 5 x 5, FCs 784-256-64-10);
+    # training is forward + input gradient + weight gradient, except the first layer's input gradient
+    conv1 = 2 * 3 * 8 * 25 * 28 * 28
+    forward = conv1 + 2 * 8 * 8 * 25 * 14 * 14 + 2 * 8 * 16 * 25 * 7 * 7 + 2 * 784 * 256 + 2 * 256 * 64 + 2 * 64 * 10
+    assert speed["flops"]["forward_per_sample"] == forward
+    assert speed["flops"]["train_per_sample"] == 3 * forward - conv1
 
 
 def test_segmentation_bench_trains_the_reference_with_the_task_loss():
@@ -116,6 +127,18 @@ def test_cli_writes_every_field(tmp_path):
     ):
         _get(data, key)
     assert data["config"]["method"] == "fedavg" and data["speed"]["rounds"] == 1
+    # the summary figures are the per-round measurements' ratios, with the FLOP count and the fp32 peak
+    speed, throughput, (r,) = data["speed"], data["throughput"], data["speed"]["per_round"]
+    assert speed["engine_samples_per_s"] == pytest.approx(r["samples"] / r["run_round_s"])
+    assert speed["reference_samples_per_s"] == pytest.approx(r["reference_samples"] / r["reference_s"])
+    assert speed["overhead_ratio"] == pytest.approx(speed["engine_samples_per_s"] / speed["reference_samples_per_s"])
+    assert speed["overhead_ratio"] == pytest.approx(r["overhead_ratio"])
+    assert speed["training_ratio"] == pytest.approx(r["samples"] / r["training_s"] / speed["reference_samples_per_s"])
+    assert throughput["peak_gflops"] == data["peak"]["fp32"]["gflops"]
+    for k in ("engine", "reference"):
+        assert throughput["gflops"][k] == pytest.approx(speed["flops"]["train_per_sample"]
+                                                        * speed[f"{k}_samples_per_s"] / 1e9)
+        assert throughput["share_of_peak"][k] == pytest.approx(throughput["gflops"][k] / throughput["peak_gflops"])
     for key in ("training_s", "aggregation_s", "evaluation_s", "checkpointing_s", "other_s", "round_s",
                 "reference_s", "overhead_ratio"):
         assert key in data["speed"]["per_round"][0]
@@ -154,7 +177,7 @@ def test_unknown_method_and_bad_counts_fail_clearly(tmp_path):
 def test_matmul_peak_shrinks_to_its_time_budget():
     peak = bench.matmul_peak(torch.float32, size=512, budget_s=1e-9, min_time=0.0)
     assert peak["size"] == 64 and peak["requested_size"] == 512 and "reduced from 512" in peak["note"]
-    assert peak["repeats"] >= 3 and peak["gflops"] > 0
+    assert peak["repeats"] >= 3 and peak["gflops"] == pytest.approx(2 * 64**3 / peak["best_s"] / 1e9)
 
 
 def test_memory_probes():
