@@ -94,13 +94,23 @@ def test_diagnostics_that_need_every_clients_data_are_refused_on_flower(tmp_path
     assert not (tmp_path / "f").exists()
 
 
-def bn_keys(config):
-    """Every BatchNorm entry of the cell's model, found by module type."""
-    from fednorm.methods.policy import local_state_keys
+def model_keys(config):
+    """Every state entry of the cell's model."""
     from fednorm.runs.runner import build_engine, build_federation_data
 
     engine = build_engine(config, config.methods[0], 0, build_federation_data(config, None))
-    return set(local_state_keys(engine.model, "local_bn"))
+    return set(engine.model.state_dict())
+
+
+def bn_keys(config):
+    """Every BatchNorm entry of the cell's model (affine, running statistics, counter), found by module type."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    from fednorm.runs.runner import build_engine, build_federation_data
+
+    engine = build_engine(config, config.methods[0], 0, build_federation_data(config, None))
+    return {f"{name}.{k}" for name, module in engine.model.named_modules() if isinstance(module, _BatchNorm)
+            for k in module.state_dict()}
 
 
 def test_fedbn_state_never_leaves_the_nodes(tmp_path):

@@ -13,7 +13,7 @@ from fednorm.runs import store
 from fednorm.runs.runner import start_run
 
 from .conftest import tiny_config
-from .test_equivalence import bn_keys
+from .test_equivalence import bn_keys, model_keys
 
 pytestmark = pytest.mark.integration
 
@@ -52,13 +52,13 @@ def test_deployment_fedbn_equals_in_process_and_keeps_bn_on_the_nodes(tmp_path):
         assert wait(deployment.run_app(tmp_path / "app"), 240) == 0
     assert (tmp_path / "flower" / "results.md").exists(), (tmp_path / "work" / "flwr-run.log").read_text()[-3000:]
     assert_same_metrics(metrics(tmp_path / "flower"), metrics(tmp_path / "in_process"))
-    # what the server sent and received: shared entries only, never a BatchNorm entry
-    bn = bn_keys(config)
+    # what the server sent and received: every entry of the model except the BatchNorm ones, both ways
+    bn, shared = bn_keys(config), model_keys(config) - bn_keys(config)
+    assert bn and shared
     for record in store.read_metrics(tmp_path / "flower" / "fedbn" / "seed0" / PARTICIPATION_FILE):
         if record["kind"] == "train":
             assert record["clients_used"] == 2
-            assert record["received_keys"] and not bn & set(record["received_keys"])
-            assert not bn & set(record["sent_keys"])
+            assert set(record["received_keys"]) == set(record["sent_keys"]) == shared
 
 
 def test_a_killed_supernode_is_left_out_and_the_run_finishes(tmp_path):
