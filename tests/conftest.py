@@ -63,19 +63,35 @@ def tiny_clients() -> list[ClientData]:
     ]
 
 
-def record_client_messages(engine) -> list[dict]:
-    """Make ``engine`` (in-process) keep every client's message to the server (HarmoFL's amplitude, SCAFFOLD's
-    control-variate update, ...) in the returned list, in the order the clients train."""
-    messages: list[dict] = []
+def _record_client_runs(engine, keep) -> list:
+    """Wrap ``engine.runner.run`` (in-process) so that ``keep(reply, message)`` of every client run is appended to
+    the returned list, in the order the clients train."""
+    kept: list = []
     run = engine.runner.run
 
     def recording(*args, **kwargs):
         reply, message, result = run(*args, **kwargs)
-        messages.append(message)
+        kept.append(keep(reply, message))
         return reply, message, result
 
     engine.runner.run = recording
-    return messages
+    return kept
+
+
+def record_client_messages(engine) -> list[dict]:
+    """Every client's message to the server (HarmoFL's amplitude, SCAFFOLD's control-variate update, ...)."""
+    return _record_client_runs(engine, lambda reply, message: message)
+
+
+def record_client_replies(engine) -> list[dict[str, torch.Tensor]]:
+    """A copy of every client's reply state: the entries it sends for the server's aggregation."""
+    return _record_client_runs(engine, lambda reply, message: {k: v.clone() for k, v in reply.state.items()})
+
+
+def batchnorm_keys(model: torch.nn.Module) -> set[str]:
+    """Every state entry of the model's BatchNorm layers (affine, running statistics, counter), by module type."""
+    return {f"{prefix}.{entry}" for prefix, module in model.named_modules()
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for entry in module.state_dict()}
 
 
 

@@ -11,7 +11,7 @@ from fednorm.methods import LocalTraining, resolve_method
 from fednorm.methods.tasks import Task
 from fednorm.models.unet import UNet
 
-from ..conftest import assert_control_variate_is_the_gradient_at, record_client_messages
+from ..conftest import assert_control_variate_is_the_gradient_at, record_client_messages, record_client_replies
 
 SIDE = 16
 
@@ -92,14 +92,7 @@ def test_fedbn_keeps_batchnorm_local_on_the_unet():
     assert bn_keys and eng.local_keys == frozenset(bn_keys)  # weight, bias, running stats, counter of every BN
     init = {k: eng.global_state[k].clone() for k in bn_keys}
     eng.run_round()
-    replies, run = [], eng.runner.run
-
-    def recording(*args, **kwargs):
-        reply, message, result = run(*args, **kwargs)
-        replies.append({k: v.clone() for k, v in reply.state.items()})
-        return reply, message, result
-
-    eng.runner.run = recording
+    replies = record_client_replies(eng)
     eng.run_round()
     # no BN entry leaves a client; every other entry is the plain mean of the three replies (8 images each)
     assert len(replies) == 3 and not any(k in bn_keys for r in replies for k in r)

@@ -8,7 +8,7 @@ from fednorm.engines.simulation import Federation, InProcessEngine, derive_seed
 from fednorm.methods import LocalTraining, resolve_method, train_locally
 from fednorm.models import DigitCNN
 
-from ..conftest import make_split
+from ..conftest import batchnorm_keys, make_split
 
 TRAIN = LocalTraining(batch_size=8, lr=0.05)
 
@@ -44,8 +44,7 @@ BN_ENTRIES = {"fedavg": (), "fedbn": ("weight", "bias", "running_mean", "running
 
 
 def bn_keys(model: torch.nn.Module, entries) -> set[str]:
-    return {f"{prefix}.{entry}" for prefix, module in model.named_modules()
-            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for entry in entries}
+    return {k for k in batchnorm_keys(model) if k.rsplit(".", 1)[1] in entries}
 
 
 @pytest.mark.parametrize("method", ["fedavg", "fedbn", "silobn"])

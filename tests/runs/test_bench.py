@@ -12,6 +12,7 @@ from fednorm.runs import bench
 from fednorm.runs.config import ConfigError
 from fednorm.runs.runner import build_federation_data
 
+from ..conftest import batchnorm_keys
 from .test_runner import TINY, tiny_config
 
 SETS = [arg for item in TINY for arg in ("--set", item)]
@@ -52,9 +53,8 @@ def test_phases_add_up_to_the_round_and_the_reference_sees_the_same_batches():
     # FedBN keeps exactly its BN entries (affine, running statistics, counter) on each client
     from fednorm.models import DigitCNN
 
-    state = DigitCNN(width=0.125).state_dict()
-    bn = [f"{name}.{k}" for name, m in DigitCNN(width=0.125).named_modules()
-          if isinstance(m, nn.modules.batchnorm._BatchNorm) for k in m.state_dict()]
+    model = DigitCNN(width=0.125)
+    state, bn = model.state_dict(), batchnorm_keys(model)
     assert speed["client_state_bytes"] == len(clients) * sum(state[k].numel() * state[k].element_size() for k in bn)
     # FLOPs of the width-1/8 digit CNN at 28 x 28 (multiply-adds x 2: convs 3-8-8-16 of 5 x 5, FCs 784-256-64-10);
     # training is forward + input gradient + weight gradient, except the first layer's input gradient

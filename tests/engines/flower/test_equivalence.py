@@ -104,13 +104,11 @@ def model_keys(config):
 
 def bn_keys(config):
     """Every BatchNorm entry of the cell's model (affine, running statistics, counter), found by module type."""
-    from torch.nn.modules.batchnorm import _BatchNorm
-
     from fednorm.runs.runner import build_engine, build_federation_data
 
-    engine = build_engine(config, config.methods[0], 0, build_federation_data(config, None))
-    return {f"{name}.{k}" for name, module in engine.model.named_modules() if isinstance(module, _BatchNorm)
-            for k in module.state_dict()}
+    from ...conftest import batchnorm_keys
+
+    return batchnorm_keys(build_engine(config, config.methods[0], 0, build_federation_data(config, None)).model)
 
 
 def test_fedbn_state_never_leaves_the_nodes(tmp_path):

@@ -53,7 +53,8 @@ def test_deployment_fedbn_equals_in_process_and_keeps_bn_on_the_nodes(tmp_path):
     assert (tmp_path / "flower" / "results.md").exists(), (tmp_path / "work" / "flwr-run.log").read_text()[-3000:]
     assert_same_metrics(metrics(tmp_path / "flower"), metrics(tmp_path / "in_process"))
     # what the server sent and received: every entry of the model except the BatchNorm ones, both ways
-    bn, shared = bn_keys(config), model_keys(config) - bn_keys(config)
+    bn = bn_keys(config)
+    shared = model_keys(config) - bn
     assert bn and shared
     for record in store.read_metrics(tmp_path / "flower" / "fedbn" / "seed0" / PARTICIPATION_FILE):
         if record["kind"] == "train":
