@@ -130,15 +130,51 @@ def test_augment_none_is_bit_identical_to_a_run_without_the_option(monkeypatch):
     assert all(differs(augmented[label], plain[label]) for label in plain)  # the option does act
 
 
-# every path that trains: per-client (FedBN above), centralized (pooled), centralized BN (union batches), SingleSet,
-# DSGD; the same seed gives the same weights
+def training_inputs_by_hand(engine, r: int) -> list[torch.Tensor]:
+    """Round ``r``'s model inputs on the engine's training path, built by hand: each participant's batches from its
+    round seed, augmented from the seed's own stream; under centralized BN (union batches) the concatenation of the
+    participants' s-th batches, augmented from the round's own seed, one union batch per local step."""
+    plan, training = engine.round_plan(r), engine._round_training(r)
+    if not engine.method.union_batches:
+        return expected_training_inputs(plan, training)
+    from fednorm.data.domain import Split
+    from fednorm.engines.seeds import derive_seed
+    from fednorm.engines.simulation import _CLIENT_STREAM
+
+    schedules, offsets, offset = [], [], 0
+    for client, instructions in plan:
+        schedules.append(batch_schedule(client.num_train, training, torch.Generator().manual_seed(instructions.seed),
+                                        True))
+        offsets.append(offset)
+        offset += client.num_train
+    union = Split.concat([client.train for client, _ in plan])
+    augment = BatchAugment(training.augment, augment_generator(derive_seed(engine.federation.seed, r, _CLIENT_STREAM)))
+    return [normalize_batch(augment(union.x[torch.cat([sched[s] + off for sched, off in zip(schedules, offsets)])]))
+            for s in range(len(schedules[0]))]
+
+
+# every path that trains: per-client (FedBN above), centralized (one pooled client), SingleSet (each client alone),
+# centralized BN (union batches), DSGD (one step per round): every training input of two rounds is the augmented
+# batch built by hand, and the same seed gives the same weights
 @pytest.mark.parametrize("extra", [
     ["methods=[centralized, singleset]"],
     ["methods=[centralized_bn]", "training.steps=2"],
     ["methods=[fedavg]", "federation.pattern=dsgd"],
 ])
-def test_every_training_path_augments_reproducibly(extra):
+def test_every_training_path_trains_on_the_augmented_batches_reproducibly(extra):
     on = tiny_config(*extra, "training.augment=fedbn_objects")
+    clients = build_federation_data(on, None)
+    for method in on.methods:
+        engine = build_engine(on, method, on.seeds[0], clients)
+        seen: list[torch.Tensor] = []
+        engine.model.register_forward_pre_hook(
+            lambda module, args: seen.append(args[0].detach().clone()) if module.training else None)
+        for r in range(on.federation.rounds):
+            expected = training_inputs_by_hand(engine, r)
+            seen.clear()
+            engine.run_round()
+            assert len(seen) == len(expected) > 0, method.display
+            assert all(torch.equal(a, b) for a, b in zip(seen, expected)), (method.display, r)
     a, plain = trained(on), trained(tiny_config(*extra))
     assert_same_states(trained(on), a)
     assert all(differs(a[label], plain[label]) for label in a)

@@ -7,10 +7,13 @@ import torch
 from fednorm.data.domain import ClientData, normalize_batch
 from fednorm.engines.simulation import Federation, InProcessEngine
 from fednorm.methods import LocalTraining, resolve_method, train_locally
+from fednorm.methods.fbn_stats import aggregate_fbn
+from fednorm.methods.robust import coordinate_median
 from fednorm.methods.server import Threat
 from fednorm.models import DigitCNN
+from fednorm.models.fbn import federated_bn_layers
 
-from ..conftest import make_split
+from ..conftest import _record_client_runs, make_split
 
 DSGD = LocalTraining(steps=1, batch_size=6, lr=0.1, momentum=0.9, momentum_style="ema")
 
@@ -50,7 +53,6 @@ def test_fbn_layers_count_the_rounds_participants_under_sampling(monkeypatch):
     """n in Kn/(Kn-1) is the number of clients in the round (2 of 4 at fraction 0.5), not the federation's size:
     every FBN layer a client trains with knows it."""
     import fednorm.engines.client_step as step
-    from fednorm.models.fbn import federated_bn_layers
 
     seen, real = [], step.train_locally
 
@@ -108,13 +110,36 @@ def test_union_batches_need_fixed_steps_and_byzantine_clients_must_exist():
         _engine(resolve_method("fbn"), clients, threat=Threat("sign_flip", ("c9",)))
 
 
-def test_robust_fbn_under_sign_flip_keeps_statistics_finite_and_near_the_honest_ones():
+def test_robust_fbn_under_sign_flip_is_the_median_of_the_attacked_rows_and_near_the_honest_ones():
     clients = _clients(n=7, shift=0.0)  # similar honest clients: their median is close to their mean
     threat = Threat("sign_flip", ("c5", "c6"))
     honest = _engine(resolve_method("fbn"), clients)
     attacked = _engine(resolve_method("fbn"), clients, threat=threat)
     defended = _engine(resolve_method("fbn", server={"rule": "median", "robust_f": 2}), clients, threat=threat)
-    for eng in (honest, attacked, defended):
+    start = {k: v.clone() for k, v in defended.global_state.items()}
+    sent = _record_client_runs(defended, lambda reply, message: ({k: v.clone() for k, v in reply.state.items()},
+                                                                 dict(reply.bn_counts)))
+    defended.run_round()
+    # round 1 by hand: the two attackers' statistics rows become -(honest mean of m_i) and the honest mean of v_i
+    # (SF changes only the mean); every row is then reduced by the coordinate median, (RV)'s between-client term
+    # taken from the median m; the parameters (not attacked) are x - median_i(x - x_i)
+    states = [s for s, _ in sent]
+    byz, honest_rows = [5, 6], [0, 1, 2, 3, 4]
+    beta = defended.model.features[1].momentum
+    for prefix, k in sent[0][1].items():
+        means = torch.stack([s[f"{prefix}.running_mean"] for s in states])
+        vars_ = torch.stack([s[f"{prefix}.running_var"] for s in states])
+        means[byz], vars_[byz] = -means[honest_rows].mean(0), vars_[honest_rows].mean(0)
+        m, v = aggregate_fbn(means, vars_, beta, k, aggregator=coordinate_median)
+        torch.testing.assert_close(defended.global_state[f"{prefix}.running_mean"], m, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(defended.global_state[f"{prefix}.running_var"], v, rtol=1e-12, atol=1e-12)
+    assert set(sent[0][1]) == set(federated_bn_layers(defended.model))  # every FBN layer, conv and classifier
+    for key, x in start.items():
+        if x.is_floating_point() and ".running_" not in key:
+            expected = x - coordinate_median(torch.stack([x - s[key] for s in states]))
+            torch.testing.assert_close(defended.global_state[key], expected, rtol=1e-12, atol=1e-12, msg=key)
+    defended.run_round()
+    for eng in (honest, attacked):
         eng.run_round()
         eng.run_round()
     # SF sends -m_run: averaged, the means shrink and (RV)'s between-client term grows; the median resists
