@@ -15,6 +15,26 @@ from fednorm.data.domain import ClientData, Split
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
+# the tiny federation of every end-to-end run test: two rendered digit domains (300 images each, no data folder
+# needed), 20 % of each, the digit CNN at width 0.125, fp32, 4 rounds with an evaluation every 2
+TINY_RUN = [
+    "data.domains=[rendered/print, rendered/neon]",
+    "data.rendered_size=300",
+    "data.pool_size=200",
+    "data.percent=0.2",
+    "model.width=0.125",
+    "training.precision=fp32",
+    "federation.rounds=4",
+    "federation.eval_every=2",
+]
+
+
+def tiny_run_config(*extra: str, preset: str = "default"):
+    """``preset`` with the tiny federation's overrides, then ``extra`` (later overrides win)."""
+    from fednorm.runs.config import load_config
+
+    return load_config(preset, TINY_RUN + list(extra))
+
 
 def real_data_dir() -> Path:
     """The real offline data folder (FEDNORM_DATA, else ../shared/data); skips the test if it is absent."""

@@ -17,17 +17,12 @@ from fednorm.runs import store
 from fednorm.runs.config import ConfigError, load_config
 from fednorm.runs.runner import build_engine, build_federation_data, resume_run, start_run
 
-from ..conftest import make_split, record_client_messages
+from ..conftest import TINY_RUN, make_split, record_client_messages, tiny_run_config
 
 AUGMENTED = LocalTraining(batch_size=8, lr=0.05, augment="fedbn_objects")
-# the tiny federation of tests/runs/test_runner.py
-TINY = ["data.domains=[rendered/print, rendered/neon]", "data.rendered_size=300", "data.pool_size=200",
-        "data.percent=0.2", "model.width=0.125", "training.precision=fp32", "federation.rounds=2",
-        "federation.eval_every=1"]
-
-
 def tiny_config(*extra):
-    return load_config("default", TINY + list(extra))
+    """The tiny federation of the run tests, 2 rounds, evaluated every round."""
+    return tiny_run_config("federation.rounds=2", "federation.eval_every=1", *extra)
 
 
 def expected_training_inputs(plan, training: LocalTraining) -> list[torch.Tensor]:
@@ -111,7 +106,7 @@ def differs(a, b) -> bool:
 def test_augment_none_is_bit_identical_to_a_run_without_the_option(monkeypatch):
     methods = "methods=[fedbn]"  # HarmoFL's prepare: test_harmofl_amplitude_is_taken_on_the_augmented_training_batches
     absent = tiny_config(methods)
-    assert "augment" not in str(TINY) and absent.training.augment == "none"
+    assert "augment" not in str(TINY_RUN) and absent.training.augment == "none"
     plain = trained(absent)
     # under "none" the engines build no augmentation stream and train_locally no augmentation: nothing draws
     import fednorm.engines.client_step as client_step

@@ -10,20 +10,8 @@ from fednorm.runs import store
 from fednorm.runs.config import load_config
 from fednorm.runs.runner import RunError, load_run_config, resume_run, start_run
 
-TINY = [
-    "data.domains=[rendered/print, rendered/neon]",
-    "data.rendered_size=300",
-    "data.pool_size=200",
-    "data.percent=0.2",
-    "model.width=0.125",
-    "training.precision=fp32",
-    "federation.rounds=4",
-    "federation.eval_every=2",
-]
-
-
-def tiny_config(*extra):
-    return load_config("default", TINY + list(extra))
+from ..conftest import TINY_RUN as TINY
+from ..conftest import tiny_run_config as tiny_config
 
 
 class Stop(Exception):
