@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..figures import pyplot, save_figure
 from .domain import Split
 from .federation import DEFAULT_RENDERED_SIZE, DomainSpec, class_names, load_domain, parse_domain
 from .protocol import pool_split
@@ -101,10 +102,7 @@ def preview_images(view: DomainView, split: str, index: torch.Tensor, seed: int 
 
 def sample_grid(view: DomainView, out: Path, *, per_class: int = 8, seed: int = 0) -> Path:
     """Write a PNG grid of ``view``'s training images (one row per class, ``per_class`` each) to ``out``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     split = "train" if len(view.splits["train"]) else "test"
     labels = view.splits[split].y.numpy()
@@ -128,12 +126,7 @@ def sample_grid(view: DomainView, out: Path, *, per_class: int = 8, seed: int = 
                 k += 1
         axes[r][0].set_ylabel(name, rotation=0, ha="right", va="center", fontsize=8)
     fig.suptitle(f"{view.spec.name} ({split}, {view.spec.image_size} x {view.spec.image_size})", fontsize=10)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, dpi=100)
 
 
 # --- pixel histograms (FedBN Fig. 6 (b)) -----------------------------------------------------------
@@ -192,10 +185,7 @@ def histogram_figure(hists: list[PixelHistogram], out: Path, *, log: bool = True
     digit images (about 80 % of MNIST's pixels are 0) flattens every other curve on a linear one."""
     if not hists:
         raise ValueError("no histogram to draw")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     channels = max(h.fractions.shape[0] for h in hists)
     names = CHANNEL_NAMES.get(channels, tuple(f"channel {c}" for c in range(channels)))
@@ -214,12 +204,7 @@ def histogram_figure(hists: list[PixelHistogram], out: Path, *, log: bool = True
     axes[0][-1].legend(fontsize=7, loc="upper right", title="domain (images)", title_fontsize=7)
     splits = sorted({h.split for h in hists})
     fig.suptitle(f"pixel histograms per channel, random {'/'.join(splits)} images of each domain", fontsize=10)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, dpi=100)
 
 
 def _slug(domain: str) -> str:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ..figures import pyplot, save_figure
+
 RESULT_FILE = "landscape.json"
 PLOT_FILE = "landscape.png"
 
@@ -86,10 +88,7 @@ def save(result: dict, folder: Path, title: str = "") -> None:
 
 
 def plot(result: dict, path: Path, title: str = "") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     clients = list(result["clients"])
@@ -113,9 +112,7 @@ def plot(result: dict, path: Path, title: str = "") -> None:
     axes.flat[0].legend(fontsize=7, loc="upper right")
     fig.suptitle(title or f"training loss around the global model (round {result['round']}, span {result['span']})",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def read_result(path: Path) -> dict:

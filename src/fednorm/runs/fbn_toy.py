@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fednorm.figures import pyplot, save_figure
 from fednorm.methods.fbn_stats import aggregate_fbn, aggregate_naive, client_running_stats
 
 SCHEMES = ("centralized", "naive", "fbn", "fixbn")
@@ -246,10 +247,7 @@ def plot_toy(path: str | Path, level: float = 1.0, levels: Iterable[float] = DEF
     """A PNG in the style of Figs. 1-2: the last round's raw, centralized, naive, FBN and FixBN points at
     heterogeneity ``level`` (coloured by label) and the normalization error vs heterogeneity (Fig. 2c).
     ``rows`` (from :func:`toy_table`) avoids recomputing the error curve."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     run = run_toy(level, rounds=rounds, seed=seed, **options)
     rows = rows if rows is not None else toy_table(levels, seeds=(seed,), rounds=rounds, **options)
@@ -275,12 +273,7 @@ def plot_toy(path: str | Path, level: float = 1.0, levels: Iterable[float] = DEF
     ax.grid(alpha=0.3)
     ax.legend()
     fig.suptitle(f"FBN 2-D toy: n = {run['n']}, m = {run['m']}, beta = {run['beta']}, level = {level}, seed {seed}")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 __all__ = ["SCHEMES", "DEFAULT_LEVELS", "class_means", "sample_union", "partition", "ncm_accuracy",

@@ -6,14 +6,13 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from ..figures import pyplot, save_figure
+from ..methods.tasks import metric_label
+from . import store
 
-from ..methods.tasks import metric_label  # noqa: E402
-from . import store  # noqa: E402
+plt = pyplot()
 
 
 MAX_LEGEND_CLIENTS = 20  # more clients than this: thin unlabelled lines and their mean
@@ -64,9 +63,7 @@ def plot_cell(records: list[dict], cell: Path) -> None:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(cell / name, dpi=110)
-        plt.close(fig)
+        save_figure(fig, cell / name)
 
 
 def _external_clients(cell: Path) -> set[str]:
@@ -128,9 +125,7 @@ def plot_comparison(run_dir: Path, cells: list[tuple[str, int]]) -> None:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(Path(run_dir) / "comparison.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, Path(run_dir) / "comparison.png")
 
 
 DIAGNOSTICS = (("drift", "train", "mean client drift Γ (HarmoFL Eq. 9)"),
@@ -165,7 +160,5 @@ def plot_diagnostics(run_dir: Path, cells: list[tuple[str, int]]) -> bool:
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(Path(run_dir) / "diagnostics.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, Path(run_dir) / "diagnostics.png")
     return True
