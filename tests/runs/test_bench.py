@@ -79,7 +79,29 @@ def test_segmentation_bench_trains_the_reference_with_the_task_loss():
     method_cfg, seed = bench.select_cell(cfg, "fedavg")
     speed = bench.bench_speed(cfg, method_cfg, seed, clients, rounds=1, warmup=1)
     assert speed["per_round"][0]["reference_samples"] == speed["per_round"][0]["samples"] == 8 * len(clients)
-    assert speed["flops"]["train_per_sample"] > speed["flops"]["forward_per_sample"] > 0
+    # FLOPs by hand from the layer shapes of the run's U-Net on a 4-image batch: 2 x multiply-adds of every
+    # convolution (C_in/groups x C_out x k x k per output pixel; a transposed one per input pixel) and linear layer;
+    # training adds the input and the weight gradient of each, except the first layer's input gradient
+    from fednorm.runs.runner import build_engine
+
+    model = build_engine(cfg, method_cfg, seed, clients).model
+    layers: list[int] = []
+
+    def count(module, inputs, output):
+        if isinstance(module, nn.ConvTranspose2d):
+            layers.append(2 * module.weight.numel() * inputs[0].shape[2] * inputs[0].shape[3])
+        elif isinstance(module, nn.Conv2d):
+            layers.append(2 * module.weight.numel() * output.shape[2] * output.shape[3])
+        elif isinstance(module, nn.Linear):
+            layers.append(2 * module.weight.numel())
+
+    for module in model.modules():
+        module.register_forward_hook(count)
+    model.eval()(torch.rand(1, 3, *clients[0].train.x.shape[2:]))  # eval: BN on one image; shapes are the same
+    assert len(layers) == 23  # 4 encoder blocks, the bottleneck, 4 up-convolutions, 4 decoder blocks, the head
+    assert speed["flops"]["batch"] == 4
+    assert speed["flops"]["forward_per_sample"] == sum(layers)
+    assert speed["flops"]["train_per_sample"] == 3 * sum(layers) - layers[0]
     # a run whose only files are its external clients' still needs the data folder
     assert needs_data_folder(tiny_config("external.domains=[usps]")) and not needs_data_folder(tiny_config())
 
