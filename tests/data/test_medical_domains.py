@@ -131,6 +131,24 @@ def test_camelyon17_through_the_runner(tmp_path, camelyon_dir):
     start_run(cfg, tmp_path / "run", data_dir=str(camelyon_dir))
     summary = json.loads((tmp_path / "run" / "harmofl" / "seed0" / "summary.json").read_text())
     assert summary["metric"] == "accuracy" and [c["name"] for c in summary["clients"]] == HOSPITALS[:2]
+    # the recorded test accuracy is the final model's on the client's test patches, fed as HarmoFL evaluates:
+    # amplitude-normalized with the frozen global amplitude (recomputed from the checkpoint)
+    engine = build_engine(cfg, cfg.methods[0], 0, clients)
+    engine.load_state_dict(store.load_checkpoint(tmp_path / "run" / "harmofl" / "seed0" / store.CHECKPOINT_FILE))
+    assert "amp.global" in engine.input_state
+    prepare = engine.runner.evaluation_prepare(engine.input_state)
+    records = store.read_metrics(tmp_path / "run" / "harmofl" / "seed0" / store.METRICS_FILE)
+    engine.model.load_state_dict(engine.global_state)
+    engine.model.eval()
+    for client in clients:
+        with torch.no_grad():
+            logits = engine.model(prepare(client.test.x))
+        final = next(r for r in records if r["client"] == client.name and r["split"] == "test" and r["round"] == 1)
+        assert final["acc"] == pytest.approx(float((logits.argmax(1) == client.test.y).double().mean()), abs=1e-12)
+        # the loss tells the inputs apart where 4 patches' accuracy may not
+        assert final["loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, client.test.y.long())),
+                                              rel=1e-5)
+        assert next(c for c in summary["clients"] if c["name"] == client.name)["test"]["final_acc"] == final["acc"]
     assert "Test accuracy (%)" in (tmp_path / "run" / "results.md").read_text()
 
 
