@@ -115,14 +115,18 @@ def batchnorm_keys(model: torch.nn.Module) -> set[str]:
 
 
 
-def assert_control_variate_is_the_gradient_at(engine, client: str, start: dict, loss_of) -> None:
-    """SCAFFOLD option I: the client's c_i equals the gradient of ``loss_of(model)`` at the round's starting
-    global state ``start`` (eval-mode BN, as the full-data gradient at x), parameter by parameter."""
+def assert_control_variate_is_the_gradient_at(engine, client: str, start: dict, loss_of, train: bool = False) -> None:
+    """SCAFFOLD option I: the client's c_i equals the gradient of ``loss_of(model)`` at the client's model of the
+    round's start ``start`` (eval-mode BN by default, as the full-data gradient at x; ``train``: train mode, BN on
+    the batches ``loss_of`` forms), for every shared parameter and for no other entry."""
     import copy
 
     model = copy.deepcopy(engine.model)
     model.load_state_dict(start)
-    model.eval()
+    model.train(train)
     loss_of(model).backward()
+    state = engine.algorithm_states[client]
+    assert set(state) == {f"c_i.{k}" for k in engine.shared_params}
     for k, p in model.named_parameters():
-        torch.testing.assert_close(engine.algorithm_states[client][f"c_i.{k}"], p.grad, rtol=1e-4, atol=1e-6)
+        if k in engine.shared_params:
+            torch.testing.assert_close(state[f"c_i.{k}"], p.grad, rtol=1e-4, atol=1e-6)

@@ -144,6 +144,43 @@ def test_scaffold_option_one_uses_the_full_gradient_at_the_global_model(tiny_cli
         sc, "c0", x, lambda model: torch.nn.functional.cross_entropy(model(normalize_batch(data.x)), data.y))
 
 
+def test_scaffold_option_one_with_client_specific_bn_is_the_gradient_at_the_clients_round_start(tiny_clients):
+    """Under UniFed's add-on x is the global model with the client's OWN BN state as the round starts, not the
+    BN state its local steps reached; control variates cover the shared parameters only."""
+    sc = engine(tiny_clients[:2], resolve_method("scaffold", policy="local_bn", client={"scaffold_option": "I"}))
+    sc.run_round()
+    start = {k: v.clone() for k, v in {**sc.global_state, **sc.local_states["c0"]}.items()}
+    sc.run_round()
+    assert any(not torch.equal(start[k], v) for k, v in sc.local_states["c0"].items())  # the local BN moved
+    data = tiny_clients[0].train
+    assert_control_variate_is_the_gradient_at(
+        sc, "c0", start, lambda model: torch.nn.functional.cross_entropy(model(normalize_batch(data.x)), data.y))
+
+
+def test_scaffold_option_one_in_batch_mode_is_the_mean_minibatch_gradient_and_moves_no_statistics(tiny_clients):
+    """scaffold_gradient_bn: batch takes the gradient in train mode on consecutive chunks of the training batch
+    size (24 images at batch 8: three chunks, each with its batch statistics), weighted by their sizes; the running
+    statistics stay as the local steps left them, so round 1 trains exactly as option II's."""
+    sc = engine(tiny_clients[:1], resolve_method("scaffold", client={"scaffold_option": "I",
+                                                                     "scaffold_gradient_bn": "batch"}))
+    two = engine(tiny_clients[:1], resolve_method("scaffold"))
+    x = {k: v.clone() for k, v in sc.global_state.items()}
+    sc.run_round()
+    two.run_round()
+    for k, v in two.global_state.items():
+        assert torch.equal(sc.global_state[k], v), k
+    data = tiny_clients[0].train
+    assert len(data) == 24 and TRAIN.batch_size == 8
+
+    def chunked_loss(model):
+        return sum(torch.nn.functional.cross_entropy(model(normalize_batch(data.x[i:i + 8])), data.y[i:i + 8],
+                                                     reduction="sum") for i in range(0, 24, 8)) / 24
+
+    assert_control_variate_is_the_gradient_at(sc, "c0", x, chunked_loss, train=True)
+    with pytest.raises(ValueError, match="scaffold_gradient_bn"):
+        resolve_method("scaffold", client={"scaffold_option": "I", "scaffold_gradient_bn": "train"})
+
+
 def test_stateful_client_algorithms_are_refused_cross_device(tiny_clients):
     with pytest.raises(ValueError, match="scaffold"):
         engine(tiny_clients, resolve_method("scaffold"), stateless_clients=True)

@@ -132,6 +132,7 @@ class ClientRunner:
             client.name, training.lr, self.shared_params, shared_global, server_state,
             memory.algorithm_state if self.algorithm.stateful else {}, data=client.train, prepare=prepare,
             momentum=sgd_momentum, momentum_style=training.momentum_style, task=training.task,
+            batch_size=training.batch_size,
         )
         set_federation_size(self.model, instructions.num_participants)
         for layer in self.fbn_layers.values():

@@ -43,6 +43,11 @@ class ClientSpec:
 
     name: str = "sgd"
     scaffold_option: str = "II"  # SCAFFOLD's control-variate update: "I" (gradient at x) or "II" (cheap)
+    # option I's full gradient at x with BatchNorm in "eval" mode (the running statistics x carries, dropout off:
+    # the gradient of the model the server evaluates; our default) or "batch" mode (train mode on consecutive
+    # chunks of the training batch size, each normalized with its own batch statistics, running statistics left
+    # as they were: the mean of the minibatch gradients the local steps take). The paper has no BatchNorm
+    scaffold_gradient_bn: str = "eval"
     # option II's divisor K lr (SCAFFOLD and FedDC): K = the momentum-effective step count (True, our default: c_i
     # stays a gradient estimate under momentum), or the literal K of the papers' plain-SGD formula (False;
     # FedDC's official code divides by K lr whatever its momentum). The same without momentum
@@ -76,6 +81,8 @@ class ClientSpec:
             raise ValueError(f"unknown client algorithm {self.name!r}; choose one of {', '.join(CLIENT_ALGORITHMS)}")
         if self.scaffold_option not in ("I", "II"):
             raise ValueError(f"scaffold_option must be 'I' or 'II', got {self.scaffold_option!r}")
+        if self.scaffold_gradient_bn not in ("eval", "batch"):
+            raise ValueError(f"scaffold_gradient_bn must be 'eval' or 'batch', got {self.scaffold_gradient_bn!r}")
         if self.moon_mu < 0:
             raise ValueError(f"moon_mu must be >= 0, got {self.moon_mu}")
         if self.moon_tau <= 0:
@@ -118,6 +125,7 @@ class ClientContext:
     momentum: float = 0.0  # the local SGD's momentum and its style (SCAFFOLD option II's effective step count)
     momentum_style: str = "pytorch"
     task: object = None  # the run's Task (loss and targets); None: classification
+    batch_size: int = 500  # the local training batch size (SCAFFOLD option I's chunks in "batch" mode)
 
 
 def effective_steps(num_steps: int, momentum: float = 0.0, momentum_style: str = "pytorch") -> float:
@@ -186,7 +194,8 @@ class ClientAlgorithm:
 
 class Scaffold(ClientAlgorithm):
     """SCAFFOLD (Karimireddy et al. 2020, Algorithm 1): every local step uses g + c - c_i; after K steps
-    c_i+ = c_i - c + (x - y_i) / (K lr) (option II) or the full local gradient at x (option I); the client
+    c_i+ = c_i - c + (x - y_i) / (K lr) (option II) or the full local gradient at x (option I: x is the model the
+    client started the round from, BatchNorm as ``scaffold_gradient_bn`` says, since the paper has none); the client
     sends Delta c_i = c_i+ - c_i and the server sets c = c + (|S| / N) mean_i Delta c_i. The model update
     itself is the server rule's (the paper's global step size 1 with the weighted mean is FedAvg's mean).
     c and c_i start at zero. Control variates cover the shared parameters only.
@@ -205,6 +214,8 @@ class Scaffold(ClientAlgorithm):
     def on_start(self, ctx: ClientContext, model: nn.Module) -> None:
         params = dict(model.named_parameters())
         ctx.scratch["params"] = [(params[k], k) for k in ctx.shared_params]
+        if self.option == "I":  # x: the client's model as the round starts (global entries and its own local ones)
+            ctx.scratch["start"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         # c - c_i, fixed for the round
         ctx.scratch["correction"] = {
             k: (ctx.server_state[f"c.{k}"] - ctx.client_state.get(f"c_i.{k}", torch.zeros_like(ctx.server_state[f"c.{k}"])))
@@ -242,22 +253,30 @@ class Scaffold(ClientAlgorithm):
         return message
 
     def _full_gradient_at_global(self, ctx: ClientContext, model: nn.Module) -> dict[str, Tensor]:
-        """Option I: the gradient of the client's loss at the global model x, over all its training data."""
+        """Option I: the gradient of the client's loss at x, over all its training data. x is the model the client
+        started the round from: the global entries and, under client-specific BN, its own BN state of the round's
+        start (not the one its local steps reached). BatchNorm as ``scaffold_gradient_bn`` says."""
         current = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        model.load_state_dict({**current, **ctx.global_state}, strict=False)
+        model.load_state_dict(ctx.scratch["start"])
         params = dict(model.named_parameters())
         model.zero_grad(set_to_none=True)
         data, n = ctx.data, len(ctx.data)
         was_training = model.training
-        model.eval()  # the gradient at x without moving BN statistics
-        for start in range(0, n, 500):
-            x = ctx.prepare(data.x[start : start + 500])
-            y = data.y[start : start + 500]
-            if ctx.task is None:
-                loss = F.cross_entropy(model(x).float(), y.to(x.device), reduction="sum") / n
-            else:  # the task's batch-mean loss, weighted by the chunk's share of the data
-                loss = ctx.task.loss(model(x), ctx.task.target(y).to(x.device)) * (len(y) / n)
-            loss.backward()
+        batch_mode = self.spec.scaffold_gradient_bn == "batch"
+        model.train(batch_mode)
+        chunk = ctx.batch_size if batch_mode else 500  # eval mode: any chunking gives the same gradient
+        bounds = list(range(0, n, chunk)) + [n]
+        if batch_mode and len(bounds) > 2 and n - bounds[-2] == 1:
+            del bounds[-2]  # no batch of one image in train mode (BatchNorm has no variance): it joins the one before
+        with buffers_kept(model):  # neither mode may move the running statistics x carries
+            for start, stop in zip(bounds[:-1], bounds[1:]):
+                x = ctx.prepare(data.x[start:stop])
+                y = data.y[start:stop]
+                if ctx.task is None:
+                    loss = F.cross_entropy(model(x).float(), y.to(x.device), reduction="sum") / n
+                else:  # the task's batch-mean loss, weighted by the chunk's share of the data
+                    loss = ctx.task.loss(model(x), ctx.task.target(y).to(x.device)) * (len(y) / n)
+                loss.backward()
         grads = {k: (params[k].grad.detach().float().clone() if params[k].grad is not None
                      else torch.zeros_like(params[k], dtype=torch.float32)) for k in ctx.shared_params}
         model.zero_grad(set_to_none=True)

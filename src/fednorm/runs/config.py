@@ -190,8 +190,8 @@ class ServerConfig(_Strict):
 
 
 # which client algorithms read a client.<option> (by prefix), and which server rules read a server.<option>
-CLIENT_OPTION_OWNERS = {"scaffold_option": ("scaffold",), "scaffold_effective_steps": ("scaffold", "feddc"),
-                        "moon_": ("moon",), "feddc_": ("feddc",), "perfedavg_": ("perfedavg",)}
+CLIENT_OPTION_OWNERS = {"scaffold_option": ("scaffold",), "scaffold_gradient_bn": ("scaffold",),
+                        "scaffold_effective_steps": ("scaffold", "feddc"), "moon_": ("moon",), "feddc_": ("feddc",), "perfedavg_": ("perfedavg",)}
 _ADAPTIVE = ("fedadam", "fedyogi", "fedadagrad")
 SERVER_OPTION_RULES = {"lr": SERVER_OPTIMIZERS, "momentum": SERVER_OPTIMIZERS, "beta2": _ADAPTIVE, "tau": _ADAPTIVE,
                        "nnm": ROBUST_RULES, "robust_f": ROBUST_RULES, "robust_scope": ROBUST_RULES}
