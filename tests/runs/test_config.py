@@ -181,3 +181,13 @@ def test_every_preset_puts_the_papers_numbers_beside_its_own_rows_and_columns(na
         assert set(table) <= labels, f"{name}: paper rows {sorted(set(table) - labels)} are not methods of the preset"
         for row in table.values():
             assert set(row) <= columns | {"Avg"}, f"{name}: paper columns {sorted(set(row) - columns - {'Avg'})}"
+
+
+def test_external_bn_modes_need_running_statistics_before_any_training():
+    """HarmoFL's code BN (model.bn_mode: batch) keeps no running statistics: UniFed's test-time BN and FedBN App. G
+    have nothing to re-estimate, which the config says at once, not at the first evaluation after training."""
+    assert load_config("unifed_camelyon17").model.name == "densenet121"
+    with pytest.raises(ConfigError, match=r"external.modes \['test_time_bn', 'fedbn_average'\] .*model.bn_mode: batch"):
+        load_config("unifed_camelyon17", ["model.bn_mode=batch"])
+    only_global = load_config("unifed_camelyon17", ["model.bn_mode=batch", "external.modes=[global]"])
+    assert only_global.external.modes == ["global"]

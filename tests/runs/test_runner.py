@@ -610,3 +610,28 @@ def test_a_cell_whose_plots_fail_is_not_finished_and_a_resume_finishes_it(tmp_pa
     resume_run(tmp_path / "run")
     assert (cell / store.SUMMARY_FILE).exists() and (cell / "accuracy.png").exists()
     assert store.read_metrics(cell / store.METRICS_FILE) == metrics  # no round trained twice
+
+
+def test_unifed_ablation_settings_are_unifeds_whatever_the_runs_external_convention():
+    """A run evaluated with external.convention pytorch and predict after_pass: Fig. 6's rows still re-estimate
+    batch by batch in the history convention and predict online, so momentum 0 is "each batch with its own
+    statistics" (in the pytorch convention it would freeze the first batch's); the global row keeps the run's."""
+    from fednorm.methods.external import ABLATION_MOMENTA, ABLATION_TEST_BATCH_SIZES, ExternalBN
+    from fednorm.runs.unifed_ablation import ablation_settings
+
+    run = ExternalBN(batch_size=64, momentum=0.1, convention="pytorch", reset=False, predict="after_pass",
+                     shuffle_seed=3)
+    settings = ablation_settings(run)
+    assert [name for name, _, _ in settings] == (
+        ["global", "fedbn_average (App. G)"] + [f"batch {b}" for b in ABLATION_TEST_BATCH_SIZES]
+        + [f"momentum {m}" for m in ABLATION_MOMENTA])
+    assert settings[0] == ("global", "global", run) and settings[1][2] is None
+    for name, mode, bn in settings[2:]:
+        assert mode == "test_time_bn" and (bn.convention, bn.reset, bn.predict) == ("history", True, "online")
+        assert bn.shuffle_seed == 3 and bn.unbiased is False  # the run's batch order and variance estimator
+    one_batch = [bn for name, _, bn in settings if name.startswith("batch")]
+    assert [bn.batch_size for bn in one_batch] == list(ABLATION_TEST_BATCH_SIZES)
+    assert all(bn.history_weight == 0.0 for bn in one_batch)  # no tracked statistics carried between batches
+    momenta = [bn for name, _, bn in settings if name.startswith("momentum")]
+    assert [bn.history_weight for bn in momenta] == list(ABLATION_MOMENTA)
+    assert all(bn.batch_size == 32 for bn in momenta)

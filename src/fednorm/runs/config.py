@@ -574,6 +574,11 @@ class ExperimentConfig(_Strict):
         if len(kinds) > 1:
             raise ValueError(f"external.domains do not fit data.domains: they mix {' and '.join(sorted(kinds))} "
                              "domains; an external client is scored by the federation's own model")
+        needs_stats = [m for m in self.external.modes if m != "global"]
+        if needs_stats and self.model.bn_mode == "batch":
+            raise ValueError(f"external.modes {needs_stats} re-estimate BatchNorm running statistics on the external "
+                             "client, but model.bn_mode: batch keeps none (batch statistics at evaluation too); "
+                             "use external.modes: [global], or model.bn_mode: running")
 
     def _check_task(self) -> None:
         """Data, task, model and methods fit together (medical domains, segmentation, feature vectors)."""

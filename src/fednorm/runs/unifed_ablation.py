@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..methods.external import ABLATION_MOMENTA, ABLATION_TEST_BATCH_SIZES
+from ..methods.external import ABLATION_MOMENTA, ABLATION_TEST_BATCH_SIZES, ExternalBN
 from . import store
 from .runner import build_engine, build_federation_data, load_run_config, run_data_dir, split_external
 
@@ -29,6 +29,23 @@ ROWS_FILE = "unifed_ablation.json"
 TABLE_FILE = "unifed_ablation.md"
 
 Row = tuple[str, str, str, float]  # (cell, setting, external client, accuracy %)
+
+
+def ablation_settings(base: ExternalBN) -> list[tuple[str, str, ExternalBN | None]]:
+    """(row name, external mode, BN re-estimation) of every row: the global model, FedBN App. G, Fig. 6(a)'s test
+    batch sizes and Fig. 6(b)'s momenta. The figure's settings are UniFed's, whatever the run's ``external`` says:
+    statistics fresh from the first batch, updated batch by batch, each batch predicted with the statistics that
+    include it, and the momentum in the history convention (tau = the weight of the tracked statistics), so that
+    momentum 0 is Fig. 6(a)'s "each batch normalized with its own statistics". The run's batch order
+    (``shuffle_seed``) and variance estimator are kept."""
+    unifed = replace(base, convention="history", reset=True, predict="online")
+    settings: list[tuple[str, str, ExternalBN | None]] = [("global", "global", base),
+                                                         ("fedbn_average (App. G)", "fedbn_average", None)]
+    settings += [(f"batch {b}", "test_time_bn", replace(unifed, batch_size=b, momentum=0.0))
+                 for b in ABLATION_TEST_BATCH_SIZES]
+    settings += [(f"momentum {m}", "test_time_bn", replace(unifed, batch_size=32, momentum=m))
+                 for m in ABLATION_MOMENTA]
+    return settings
 
 
 def iter_ablation(
@@ -45,12 +62,7 @@ def iter_ablation(
         raise SystemExit(f"{run_dir}: the run has no external clients (external.domains); nothing to ablate")
     clients = build_federation_data(config, run_data_dir(run_dir, config, data_dir))
     _, external = split_external(clients)
-    base = config.external.bn()
-    settings = [("global", "global", base), ("fedbn_average (App. G)", "fedbn_average", None)]
-    # Fig. 6(a) is a one-batch experiment: no statistics carried over between batches (momentum 0)
-    settings += [(f"batch {b}", "test_time_bn", replace(base, batch_size=b, momentum=0.0))
-                 for b in ABLATION_TEST_BATCH_SIZES]
-    settings += [(f"momentum {m}", "test_time_bn", replace(base, batch_size=32, momentum=m)) for m in ABLATION_MOMENTA]
+    settings = ablation_settings(config.external.bn())
     todo = [(m, s) for m in config.methods for s in config.seeds
             if f"{m.display}/seed{s}" not in skip
             and (store.cell_dir(run_dir, m.display, s) / store.CHECKPOINT_FILE).exists()]
