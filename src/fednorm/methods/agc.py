@@ -7,11 +7,13 @@ unit of a linear layer),
 
 with Frobenius norms, ``eps = 1e-3`` and threshold ``lambda`` (FedWon: 0.64 on digits, 1.28 on
 Office-Caltech-10 and DomainNet). FedWon does not say how units are defined nor which parameters
-are clipped; this follows the NFNets reference code (and timm's ``adaptive_clip_grad``): a tensor
-of two or more dimensions has one unit per slice along dim 0 (norms over all other dims, so a WSConv
-gain of shape (C, 1, 1, 1) is clipped per channel), a vector or scalar (a bias) is one unit, and the
-final classifier layer is excluded (NFNets: "we do not clip the final linear layer"), which
-``exclude_head=False`` turns off.
+are clipped; this follows timm's ``adaptive_clip_grad`` with ``exclude_head``: a tensor of two or more
+dimensions has one unit per slice along dim 0 (norms over all other dims, so a WSConv gain of shape
+(C, 1, 1, 1) is clipped per channel), a vector or scalar (a bias) is one unit, and the final classifier
+layer, weight and bias, is excluded (NFNets: "we do not clip the final linear layer"), which
+``exclude_head=False`` turns off. DeepMind's NFNets code differs in two details: its gains are vectors of
+shape (C,), clipped as one unit, and only the final layer's weight escapes clipping (its bias is clipped
+with the other gains and biases). Both touch few, small tensors.
 """
 
 from __future__ import annotations

@@ -357,6 +357,9 @@ class Moon(ClientAlgorithm):
     - First round of a client: it has no previous model; the previous model is then the global model
       (z_prev = z_glob), which makes l_con = log 2, a constant with zero gradient. The official code instead
       has an empty model pool in round 0 (l_con = 0): the same training, only the reported loss differs.
+      Under partial participation (federation.fraction < 1) a client first sampled in a later round also gets
+      z_prev = z_glob here, where the official code (``old_nets = copy.deepcopy(nets)``) contrasts with the
+      client's never-trained, separately initialised network: a random negative we do not reproduce.
     - One previous model (the paper's and the code's default model_buffer_size 1).
     """
 

@@ -17,7 +17,9 @@ global state at the end of the round (``finish``). The rules:
 
 Server optimizers and FedNova act on the trainable parameters; buffers (BatchNorm running statistics)
 take the weighted mean. Reddi et al. initialise v at tau^2 and apply no bias correction (unlike
-``torch.optim.Adam``), which is what is done here.
+``torch.optim.Adam``), which is what is done here (Algorithm 2; their experiments' code builds Keras' Adam, which
+corrects the bias). Algorithm 2 gives FedAdagrad the first moment m too, so ``server.momentum`` (b1, default 0.9)
+applies to it as to FedAdam; their code's FedAdagrad is Keras' Adagrad, without m (``server.momentum: 0`` for it).
 
 Robust rules act on the pseudo-gradients x - x_k (for DSGD, where every client takes one step from x,
 x - x_k = lr * g_k: the robust rules, being translation- and scale-equivariant, give the same result as
@@ -137,9 +139,13 @@ class LocalSchedule:
 def fednova_norm(num_steps: int, schedule: LocalSchedule) -> float:
     """||a_k||_1 of FedNova (Wang et al. 2020, Sec. 4 and App.): tau for plain SGD;
     (tau - rho (1 - rho^tau)/(1 - rho)) / (1 - rho) with momentum rho; (1 - (1 - lr mu)^tau)/(lr mu) with
-    FedProx's mu. With both, the momentum form is used (the paper gives no joint formula). An Adam client
-    (momentum 0 in the schedule) is normalized by tau, the plain-SGD form: FedNova defines a_k for SGD-type
-    solvers only; this is our choice for HarmoFL's Adam presets."""
+    FedProx's mu. With both, the momentum form is used (the paper gives no joint formula; the official code,
+    JYWa/FedNova, has its own joint recursion for a solver that adds the proximal term after momentum, and takes
+    tau_eff = sum_k p_k tau_k whenever mu != 0: not reproduced). An Adam client (momentum 0 in the schedule) is
+    normalized by tau, the plain-SGD form: FedNova defines a_k for SGD-type solvers only; this is our choice for
+    HarmoFL's Adam presets. The momentum form assumes the momentum buffer starts each round at zero, as the
+    official code resets it; with ``federation.persistent_optimizer`` (HarmoFL's presets, whose code keeps each
+    client's optimizer) the carried-over buffer also moves the weights, so a_k is then an approximation."""
     tau, rho = num_steps, schedule.momentum
     if tau <= 0:
         raise UpdateError("FedNova needs the number of local steps of every client (got 0)")

@@ -12,7 +12,8 @@ divides by the norm of the *loss*; it must be the gradient's norm (as in the off
 The paper does not say whether the norm is per layer or global: it is one global L2 norm over every
 parameter that has a gradient, all parameter groups together (the official code), plus ``eps =
 1e-12`` in the denominator (code). Each group may set its own ``alpha`` (default 0.05, the paper's
-grid-search value). Parameters without a gradient are neither perturbed nor stepped by this wrapper.
+grid-search value). Parameters without a gradient in the first pass are not perturbed; the step is the base
+optimizer's on the second pass's gradients (so a parameter that gets one only there is still stepped).
 
 Each step costs **two forward and two backward passes**. With this wrapper alone, BatchNorm running
 statistics (and anything else a forward pass updates in training mode) are updated by both passes;
