@@ -191,3 +191,14 @@ def test_external_bn_modes_need_running_statistics_before_any_training():
         load_config("unifed_camelyon17", ["model.bn_mode=batch"])
     only_global = load_config("unifed_camelyon17", ["model.bn_mode=batch", "external.modes=[global]"])
     assert only_global.external.modes == ["global"]
+
+
+def test_external_config_reaches_the_test_time_bn_settings():
+    bn = load_config("default", ["data.domains=[rendered/print, rendered/neon]", "external.domains=[rendered/street]",
+                                 "external.batch_size=16",
+                                 "external.momentum=0.5", "external.convention=pytorch", "external.reset=false",
+                                 "external.predict=after_pass", "external.shuffle_seed=4",
+                                 "external.unbiased=true"]).external.bn()
+    assert (bn.batch_size, bn.momentum, bn.convention, bn.reset, bn.predict, bn.shuffle_seed, bn.unbiased) == (
+        16, 0.5, "pytorch", False, "after_pass", 4, True)
+    assert load_config("default").external.bn().unbiased is False

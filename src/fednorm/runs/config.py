@@ -459,6 +459,8 @@ class ExternalConfig(_Strict):
     reset: bool = True
     predict: Literal["online", "after_pass"] = "online"
     shuffle_seed: int | None = None
+    unbiased: bool = Field(False, description="test-time BN variance with n/(n-1); false: the biased variance BN "
+                           "normalizes with in training")
 
     @field_validator("domains")
     @classmethod
@@ -471,7 +473,8 @@ class ExternalConfig(_Strict):
         from ..methods.external import ExternalBN
 
         return ExternalBN(batch_size=self.batch_size, momentum=self.momentum, convention=self.convention,
-                          reset=self.reset, predict=self.predict, shuffle_seed=self.shuffle_seed)
+                          reset=self.reset, predict=self.predict, shuffle_seed=self.shuffle_seed,
+                          unbiased=self.unbiased)
 
 
 class DiagnosticsConfig(_Strict):
