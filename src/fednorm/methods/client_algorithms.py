@@ -268,15 +268,15 @@ class Scaffold(ClientAlgorithm):
         bounds = list(range(0, n, chunk)) + [n]
         if batch_mode and len(bounds) > 2 and n - bounds[-2] == 1:
             del bounds[-2]  # no batch of one image in train mode (BatchNorm has no variance): it joins the one before
-        with buffers_kept(model):  # neither mode may move the running statistics x carries
-            for start, stop in zip(bounds[:-1], bounds[1:]):
-                x = ctx.prepare(data.x[start:stop])
-                y = data.y[start:stop]
-                if ctx.task is None:
-                    loss = F.cross_entropy(model(x).float(), y.to(x.device), reduction="sum") / n
-                else:  # the task's batch-mean loss, weighted by the chunk's share of the data
-                    loss = ctx.task.loss(model(x), ctx.task.target(y).to(x.device)) * (len(y) / n)
-                loss.backward()
+        # batch mode moves the running statistics; restoring ``current`` below puts back what the local steps left
+        for start, stop in zip(bounds[:-1], bounds[1:]):
+            x = ctx.prepare(data.x[start:stop])
+            y = data.y[start:stop]
+            if ctx.task is None:
+                loss = F.cross_entropy(model(x).float(), y.to(x.device), reduction="sum") / n
+            else:  # the task's batch-mean loss, weighted by the chunk's share of the data
+                loss = ctx.task.loss(model(x), ctx.task.target(y).to(x.device)) * (len(y) / n)
+            loss.backward()
         grads = {k: (params[k].grad.detach().float().clone() if params[k].grad is not None
                      else torch.zeros_like(params[k], dtype=torch.float32)) for k in ctx.shared_params}
         model.zero_grad(set_to_none=True)
