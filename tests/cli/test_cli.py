@@ -228,6 +228,10 @@ def test_bad_config_exits_with_a_clear_message(tmp_path):
     assert result.exit_code == 2
     assert "training.lrr: unknown key" in result.output
     assert not (tmp_path / "r").exists()
+    # a message's square brackets are text, not style tags: the suggested value reaches the user whole
+    result = runner.invoke(app, ["run", "unifed_camelyon17", "--set", "model.bn_mode=batch", "--out",
+                                 str(tmp_path / "r")])
+    assert result.exit_code == 2 and "use external.modes: [global], or model.bn_mode: running" in result.output
 
 
 def test_a_device_this_machine_lacks_exits_with_what_to_set(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.measure import Measurement
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -36,7 +37,8 @@ _RUN_ERRORS = (*_USER_ERRORS, ValueError)
 
 
 def _fail(exc: Exception, run_dir: Path | None = None) -> None:
-    err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True, markup=True)
+    # the message is plain text: escaped, so that a "[global]" in it is printed, not read as a style tag
+    err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True, markup=True)
     if run_dir is not None and (run_dir / "config.yaml").exists():
         err_console.print(f"what finished is kept in {run_dir}; once fixed, `fednorm resume {run_dir}` goes on",
                           highlight=False, soft_wrap=True)
