@@ -286,12 +286,12 @@ def test_external_domain_is_reported_per_mode_and_left_out_of_the_average(tmp_pa
         acc = curves["acc"][r.label]
         assert acc[max(acc)] == pytest.approx(r.summary["mean_final_test_acc"], abs=1e-12)
     # UniFed Fig. 6 ablation from the checkpoints: the global row equals the run's own final global column
-    from fednorm.methods.external import ABLATION_MOMENTA, ABLATION_TEST_BATCH_SIZES
+    from fednorm.methods.external import ABLATION_MOMENTA, ABLATION_ORDERS, ABLATION_TEST_BATCH_SIZES
     from fednorm.runs.unifed_ablation import ablation_rows
 
     rows = ablation_rows(tmp_path / "run")
     fedavg = [r for r in rows if r[0] == "fedavg/seed0"]
-    assert len(fedavg) == 2 + len(ABLATION_TEST_BATCH_SIZES) + len(ABLATION_MOMENTA)
+    assert len(fedavg) == 2 + len(ABLATION_TEST_BATCH_SIZES) + len(ABLATION_MOMENTA) + len(ABLATION_ORDERS)
     final = {c["name"]: c["test"]["final_acc"] for c in results[0].summary["clients"]}
     assert fedavg[0][1] == "global" and abs(fedavg[0][3] - 100 * final["rendered/street:global"]) < 1e-9
     # FedBN App. G's mode, recomputed from the checkpoint, equals the run's own final column
@@ -314,14 +314,28 @@ def test_external_domain_is_reported_per_mode_and_left_out_of_the_average(tmp_pa
     assert abs(perfedavg["global"] - 100 * final["rendered/street:global"]) < 1e-9
     assert abs(perfedavg["fedbn_average (App. G)"] - 100 * final["rendered/street:fedbn_average"]) < 1e-9
     # saved per cell and resumed: a run stopped after its first cell recomputes only the second
-    from fednorm.runs.unifed_ablation import ROWS_FILE, TABLE_FILE, iter_ablation, run_ablation
+    from fednorm.runs.unifed_ablation import FIGURE_FILE, ROWS_FILE, TABLE_FILE, iter_ablation, run_ablation
 
     first_label, first_rows = next(iter_ablation(tmp_path / "run"))
     store.write_json(tmp_path / "run" / ROWS_FILE, first_rows)
     seen = []
     resumed = run_ablation(tmp_path / "run", progress=lambda done, total: seen.append(total))
     assert resumed == rows and set(seen) == {2 * len(fedavg)}  # only fedbn's and perfedavg's were left to do
-    assert "| fedbn/seed0 | momentum" in (tmp_path / "run" / TABLE_FILE).read_text()
+    table = (tmp_path / "run" / TABLE_FILE).read_text()
+    assert "| fedbn/seed0 | momentum" in table
+    # Fig. 6(c): the orders in one line per cell, mean (min-max) over the orders of the cell's fedavg rows
+    street = [r[3] for r in fedavg if r[1].startswith("order ")]
+    assert (f"| fedavg/seed0 | {len(ABLATION_ORDERS)} orders: mean (min-max) | "
+            f"{sum(street) / len(street):.2f} ({min(street):.2f}-{max(street):.2f}) |") in table
+    assert "| fedavg/seed0 | order 0 |" not in table
+    assert (tmp_path / "run" / FIGURE_FILE).stat().st_size > 0
+    # a saved ablation from before a setting existed: only the missing (cell, setting, client) rows are computed
+    older = [r for r in rows if not r[1].startswith("order ")]
+    store.write_json(tmp_path / "run" / ROWS_FILE, older)
+    seen = []
+    filled = run_ablation(tmp_path / "run", progress=lambda done, total: seen.append(total))
+    assert sorted(filled) == sorted(rows) and filled[:len(older)] == older
+    assert set(seen) == {3 * len(ABLATION_ORDERS)}  # three cells, one external client
 
 
 def test_validation_split_and_model_selection_by_validation_accuracy(tmp_path):
@@ -616,7 +630,7 @@ def test_unifed_ablation_settings_are_unifeds_whatever_the_runs_external_convent
     """A run evaluated with external.convention pytorch and predict after_pass: Fig. 6's rows still re-estimate
     batch by batch in the history convention and predict online, so momentum 0 is "each batch with its own
     statistics" (in the pytorch convention it would freeze the first batch's); the global row keeps the run's."""
-    from fednorm.methods.external import ABLATION_MOMENTA, ABLATION_TEST_BATCH_SIZES, ExternalBN
+    from fednorm.methods.external import ABLATION_MOMENTA, ABLATION_ORDERS, ABLATION_TEST_BATCH_SIZES, ExternalBN
     from fednorm.runs.unifed_ablation import ablation_settings
 
     run = ExternalBN(batch_size=64, momentum=0.1, convention="pytorch", reset=False, predict="after_pass",
@@ -624,14 +638,20 @@ def test_unifed_ablation_settings_are_unifeds_whatever_the_runs_external_convent
     settings = ablation_settings(run)
     assert [name for name, _, _ in settings] == (
         ["global", "fedbn_average (App. G)"] + [f"batch {b}" for b in ABLATION_TEST_BATCH_SIZES]
-        + [f"momentum {m}" for m in ABLATION_MOMENTA])
+        + [f"momentum {m}" for m in ABLATION_MOMENTA] + [f"order {k}" for k in ABLATION_ORDERS])
     assert settings[0] == ("global", "global", run) and settings[1][2] is None
     for name, mode, bn in settings[2:]:
         assert mode == "test_time_bn" and (bn.convention, bn.reset, bn.predict) == ("history", True, "online")
-        assert bn.shuffle_seed == 3 and bn.unbiased is False  # the run's batch order and variance estimator
+        assert bn.unbiased is False  # the run's variance estimator
+        assert name.startswith("order") or bn.shuffle_seed == 3  # (a) and (b) keep the run's batch order
     one_batch = [bn for name, _, bn in settings if name.startswith("batch")]
     assert [bn.batch_size for bn in one_batch] == list(ABLATION_TEST_BATCH_SIZES)
     assert all(bn.history_weight == 0.0 for bn in one_batch)  # no tracked statistics carried between batches
     momenta = [bn for name, _, bn in settings if name.startswith("momentum")]
     assert [bn.history_weight for bn in momenta] == list(ABLATION_MOMENTA)
     assert all(bn.batch_size == 32 for bn in momenta)
+    # Fig. 6(c): UniFed's default point (batch 32, tau 0.9) under each seeded sample order instead of the run's
+    orders = [(name, bn) for name, _, bn in settings if name.startswith("order")]
+    assert [name for name, _ in orders] == [f"order {k}" for k in ABLATION_ORDERS]
+    assert [bn.shuffle_seed for _, bn in orders] == list(ABLATION_ORDERS)
+    assert all((bn.batch_size, bn.history_weight) == (32, 0.9) for _, bn in orders)

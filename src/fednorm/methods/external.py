@@ -69,6 +69,9 @@ ABLATION_TEST_BATCH_SIZES = (2, 4, 8, 16, 32, 64, 128, 256, 512)
 # UniFed Fig. 6(b), at test batch size 32: the momentum range was lost (one end "means no historical values are
 # tracked" = 0 in the history convention); this grid over [0, 0.9] plus 0.99 is a reconstruction
 ABLATION_MOMENTA = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99)
+# UniFed Fig. 6(c), sampling order: a box plot over "different test-sample orders" (how many was not given); each
+# order is a seeded permutation of the external client's test samples, evaluated at UniFed's default point
+ABLATION_ORDERS = tuple(range(10))
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,18 @@
-"""UniFed's test-time BN ablation (Fig. 6): external accuracy against the test batch size and the momentum.
+"""UniFed's test-time BN ablation (Fig. 6): external accuracy against the test batch size, the momentum and the
+order of the test samples.
 
 Re-evaluates the external clients of a finished run from its checkpoints (no training): every cell
 (method, seed) of the run folder, (a) the one-batch study: each test batch normalized with its own statistics
 only (momentum 0), for each test batch size of :data:`fednorm.methods.external.ABLATION_TEST_BATCH_SIZES`;
-(b) each momentum of :data:`~fednorm.methods.external.ABLATION_MOMENTA` at test batch size 32; the global
-model ("aggregated BN", flat in both) is the baseline row, FedBN App. G a further one. Writes
-``unifed_ablation.md`` into the run folder.
+(b) each momentum of :data:`~fednorm.methods.external.ABLATION_MOMENTA` at test batch size 32; (c) UniFed's
+default point (batch 32, momentum 0.9) under each seeded sample order of
+:data:`~fednorm.methods.external.ABLATION_ORDERS`; the global model ("aggregated BN", flat in all three) is the
+baseline row, FedBN App. G a further one. Writes ``unifed_ablation.md`` (a row per cell and setting, the orders
+summarized as mean (min-max)) and ``unifed_ablation.png`` (the three panels) into the run folder.
 
 It takes minutes per cell on a small CPU, so each finished cell's rows are saved at once
-(``unifed_ablation.json``) and a re-run skips the cells already there (``--fresh`` starts over).
+(``unifed_ablation.json``) and a re-run computes only the (cell, setting, client) rows not there yet, so
+settings added later are filled in without redoing the rest (``--fresh`` starts over).
 
     python -m fednorm.runs.unifed_ablation RUN [--data-dir DIR] [--fresh]
 """
@@ -21,23 +25,27 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..methods.external import ABLATION_MOMENTA, ABLATION_TEST_BATCH_SIZES, ExternalBN
+from ..methods.external import (
+    ABLATION_MOMENTA, ABLATION_ORDERS, ABLATION_TEST_BATCH_SIZES, DEFAULT_MOMENTUM, DEFAULT_TEST_BATCH_SIZE, ExternalBN,
+)
 from . import store
 from .runner import build_engine, build_federation_data, load_run_config, run_data_dir, split_external
 
 ROWS_FILE = "unifed_ablation.json"
 TABLE_FILE = "unifed_ablation.md"
+FIGURE_FILE = "unifed_ablation.png"
 
 Row = tuple[str, str, str, float]  # (cell, setting, external client, accuracy %)
 
 
 def ablation_settings(base: ExternalBN) -> list[tuple[str, str, ExternalBN | None]]:
     """(row name, external mode, BN re-estimation) of every row: the global model, FedBN App. G, Fig. 6(a)'s test
-    batch sizes and Fig. 6(b)'s momenta. The figure's settings are UniFed's, whatever the run's ``external`` says:
-    statistics fresh from the first batch, updated batch by batch, each batch predicted with the statistics that
-    include it, and the momentum in the history convention (tau = the weight of the tracked statistics), so that
-    momentum 0 is Fig. 6(a)'s "each batch normalized with its own statistics". The run's batch order
-    (``shuffle_seed``) and variance estimator are kept."""
+    batch sizes, Fig. 6(b)'s momenta and Fig. 6(c)'s sample orders. The figure's settings are UniFed's, whatever
+    the run's ``external`` says: statistics fresh from the first batch, updated batch by batch, each batch
+    predicted with the statistics that include it, and the momentum in the history convention (tau = the weight
+    of the tracked statistics), so that momentum 0 is Fig. 6(a)'s "each batch normalized with its own
+    statistics". (a) and (b) keep the run's batch order (``shuffle_seed``); (c) replaces it with each of
+    :data:`ABLATION_ORDERS` at UniFed's default batch size and momentum. The variance estimator is the run's."""
     unifed = replace(base, convention="history", reset=True, predict="online")
     settings: list[tuple[str, str, ExternalBN | None]] = [("global", "global", base),
                                                          ("fedbn_average (App. G)", "fedbn_average", None)]
@@ -45,16 +53,19 @@ def ablation_settings(base: ExternalBN) -> list[tuple[str, str, ExternalBN | Non
                  for b in ABLATION_TEST_BATCH_SIZES]
     settings += [(f"momentum {m}", "test_time_bn", replace(unifed, batch_size=32, momentum=m))
                  for m in ABLATION_MOMENTA]
+    default = replace(unifed, batch_size=DEFAULT_TEST_BATCH_SIZE, momentum=DEFAULT_MOMENTUM)
+    settings += [(f"order {k}", "test_time_bn", replace(default, shuffle_seed=k)) for k in ABLATION_ORDERS]
     return settings
 
 
 def iter_ablation(
     run_dir: Path,
     data_dir: str | None = None,
-    skip: set[str] = frozenset(),
+    done_rows: set[tuple[str, str, str]] = frozenset(),
     progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[tuple[str, list[Row]]]:
-    """Yield (cell label, its rows) for every cell with a checkpoint whose label is not in ``skip``.
+    """Yield (cell label, its new rows) for every cell with a checkpoint that has a (setting, external client)
+    row not in ``done_rows`` (a set of (cell, setting, client)); only the missing rows are computed.
 
     ``progress(done, total)`` is called after each evaluation (total = evaluations still to do)."""
     config = load_run_config(run_dir)
@@ -63,25 +74,30 @@ def iter_ablation(
     clients = build_federation_data(config, run_data_dir(run_dir, config, data_dir))
     _, external = split_external(clients)
     settings = ablation_settings(config.external.bn())
-    todo = [(m, s) for m in config.methods for s in config.seeds
-            if f"{m.display}/seed{s}" not in skip
-            and (store.cell_dir(run_dir, m.display, s) / store.CHECKPOINT_FILE).exists()]
-    total, done = len(todo) * len(external) * len(settings), 0
-    for method_cfg, seed in todo:
+    missing = []  # (method, seed, [(external client, setting)] still to compute, in table order)
+    for m in config.methods:
+        for s in config.seeds:
+            label = f"{m.display}/seed{s}"
+            if (store.cell_dir(run_dir, m.display, s) / store.CHECKPOINT_FILE).exists():
+                rows_left = [(client, setting) for client in external for setting in settings
+                             if (label, setting[0], client.name) not in done_rows]
+                if rows_left:
+                    missing.append((m, s, rows_left))
+    total, done = sum(len(left) for *_, left in missing), 0
+    for method_cfg, seed, rows_left in missing:
         engine = build_engine(config, method_cfg, seed, clients)
         engine.load_state_dict(store.load_checkpoint(store.cell_dir(run_dir, method_cfg.display, seed) / store.CHECKPOINT_FILE))
         prepare = engine.runner.evaluation_prepare(engine.input_state)
         label = f"{method_cfg.display}/seed{seed}"
         rows: list[Row] = []
-        for client in external:
-            for name, mode, bn in settings:
-                # as the run evaluates (Per-FedAvg adapts first and leaves its adaptation samples out)
-                result = engine.evaluate_external_client(client, mode, bn, prepare)
-                if result is not None:  # None: no test sample left after Per-FedAvg's adaptation samples
-                    rows.append((label, name, client.name, 100 * result.accuracy))
-                done += 1
-                if progress:
-                    progress(done, total)
+        for client, (name, mode, bn) in rows_left:
+            # as the run evaluates (Per-FedAvg adapts first and leaves its adaptation samples out)
+            result = engine.evaluate_external_client(client, mode, bn, prepare)
+            if result is not None:  # None: no test sample left after Per-FedAvg's adaptation samples
+                rows.append((label, name, client.name, 100 * result.accuracy))
+            done += 1
+            if progress:
+                progress(done, total)
         yield label, rows
 
 
@@ -90,22 +106,89 @@ def ablation_rows(run_dir: Path, data_dir: str | None = None) -> list[Row]:
     return [row for _, rows in iter_ablation(run_dir, data_dir) for row in rows]
 
 
+def _is_order(setting: str) -> bool:
+    return setting.startswith("order ")
+
+
 def markdown_table(rows: list[Row]) -> str:
-    """One line per (cell, setting), one column per external client, and their mean."""
+    """One line per (cell, setting), one column per external client, and their mean; Fig. 6(c)'s sample orders
+    in one line per cell: the mean over the orders (min-max)."""
     clients = sorted({r[2] for r in rows})
     cells = list(dict.fromkeys(r[0] for r in rows))
     lines = ["| cell | setting | " + " | ".join(clients) + " | mean |", "|---|---|" + "---|" * (len(clients) + 1)]
     for cell in cells:
-        for setting in dict.fromkeys(r[1] for r in rows if r[0] == cell):
+        settings = list(dict.fromkeys(r[1] for r in rows if r[0] == cell))
+        for setting in [s for s in settings if not _is_order(s)]:
             accs = {r[2]: r[3] for r in rows if r[0] == cell and r[1] == setting}
             mean = sum(accs.values()) / len(accs)
-            lines.append(f"| {cell} | {setting} | " + " | ".join(f"{accs[c]:.2f}" for c in clients) + f" | {mean:.2f} |")
+            lines.append(f"| {cell} | {setting} | " + " | ".join(f"{accs.get(c, float('nan')):.2f}" for c in clients)
+                         + f" | {mean:.2f} |")
+        orders = [s for s in settings if _is_order(s)]
+        if orders:
+            spread = []
+            for c in clients:
+                accs = [r[3] for r in rows if r[0] == cell and r[2] == c and _is_order(r[1])]
+                spread.append(f"{sum(accs) / len(accs):.2f} ({min(accs):.2f}-{max(accs):.2f})" if accs else "nan")
+            per_order = order_means(rows, cell)
+            mean = sum(per_order) / len(per_order)
+            lines.append(f"| {cell} | {len(orders)} orders: mean (min-max) | " + " | ".join(spread)
+                         + f" | {mean:.2f} ({min(per_order):.2f}-{max(per_order):.2f}) |")
     return "\n".join(lines) + "\n"
+
+
+def order_means(rows: list[Row], cell: str) -> list[float]:
+    """The cell's accuracy under each sample order of Fig. 6(c), averaged over its external clients."""
+    by_order: dict[str, list[float]] = {}
+    for r in rows:
+        if r[0] == cell and _is_order(r[1]):
+            by_order.setdefault(r[1], []).append(r[3])
+    return [sum(v) / len(v) for v in by_order.values()]
+
+
+def ablation_figure(rows: list[Row], path: Path) -> Path:
+    """UniFed Fig. 6 as three panels, accuracy averaged over the run's cells: (a) against the one-batch test batch
+    size and (b) against the momentum, a line per external client with the global model dashed; (c) a box per
+    method over its seeds and the sample orders (each box point: one seed's model under one order, averaged over
+    the external clients)."""
+    from ..figures import pyplot, save_figure
+
+    plt = pyplot()
+    clients = sorted({r[2] for r in rows})
+
+    def mean_of(setting: str, client: str) -> float:
+        accs = [r[3] for r in rows if r[1] == setting and r[2] == client]
+        return sum(accs) / len(accs) if accs else float("nan")
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = [(axes[0], "batch", [b for b in ABLATION_TEST_BATCH_SIZES], "test batch size (one-batch, momentum 0)"),
+              (axes[1], "momentum", list(ABLATION_MOMENTA), "momentum (weight of the history), batch 32")]
+    for ax, prefix, xs, xlabel in panels:
+        for i, client in enumerate(clients):
+            color = f"C{i}"
+            ax.plot(xs, [mean_of(f"{prefix} {x}", client) for x in xs], marker="o", color=color, label=client)
+            ax.axhline(mean_of("global", client), color=color, linestyle="--", label=f"{client}, global model")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("external accuracy (%)")
+        ax.grid(alpha=0.3)
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_title("(a) one-batch study")
+    axes[1].set_title("(b) momentum")
+    axes[0].legend(fontsize=7)
+    methods = list(dict.fromkeys(r[0].rsplit("/seed", 1)[0] for r in rows if _is_order(r[1])))
+    boxes = [[m for cell in dict.fromkeys(r[0] for r in rows) if cell.rsplit("/seed", 1)[0] == method
+              for m in order_means(rows, cell)] for method in methods]
+    if methods:
+        axes[2].boxplot(boxes, tick_labels=methods)
+        axes[2].tick_params(axis="x", labelrotation=60, labelsize=7)
+    axes[2].set_title(f"(c) sample order ({len(ABLATION_ORDERS)} orders x seeds), batch 32, momentum 0.9")
+    axes[2].set_ylabel("external accuracy (%), mean over clients")
+    axes[2].grid(alpha=0.3, axis="y")
+    return save_figure(fig, path)
 
 
 def run_ablation(run_dir: Path, data_dir: str | None = None, fresh: bool = False,
                  progress: Callable[[int, int], None] | None = None) -> list[Row]:
-    """Compute the cells not saved yet, saving rows and table after each cell; return all rows."""
+    """Compute the rows not saved yet, saving rows, table and figure after each cell; return all rows."""
     rows_path = run_dir / ROWS_FILE
     rows: list[Row] = []
     if rows_path.exists() and not fresh:
@@ -113,11 +196,19 @@ def run_ablation(run_dir: Path, data_dir: str | None = None, fresh: bool = False
             rows = [tuple(r) for r in json.loads(rows_path.read_text())]
         except (json.JSONDecodeError, TypeError) as err:
             raise SystemExit(f"{rows_path} is not a saved ablation ({err}); delete it or pass --fresh") from err
-    for _, cell_rows in iter_ablation(run_dir, data_dir, skip={r[0] for r in rows}, progress=progress):
-        rows += cell_rows
-        store.write_json(rows_path, rows)
+
+    def save_outputs() -> None:
         table = markdown_table(rows).encode()
         store.atomic_write_bytes(run_dir / TABLE_FILE, lambda fh: fh.write(table))
+        ablation_figure(rows, run_dir / FIGURE_FILE)
+
+    done_rows = {(r[0], r[1], r[2]) for r in rows}
+    for _, cell_rows in iter_ablation(run_dir, data_dir, done_rows=done_rows, progress=progress):
+        rows += cell_rows
+        store.write_json(rows_path, rows)  # each cell as soon as it is done: a stopped ablation loses nothing
+        save_outputs()
+    if rows:
+        save_outputs()  # also when nothing was left to compute (table and figure of the current code)
     return rows
 
 
