@@ -145,42 +145,52 @@ def order_means(rows: list[Row], cell: str) -> list[float]:
     return [sum(v) / len(v) for v in by_order.values()]
 
 
-def ablation_figure(rows: list[Row], path: Path) -> Path:
-    """UniFed Fig. 6 as three panels, accuracy averaged over the run's cells: (a) against the one-batch test batch
-    size and (b) against the momentum, a line per external client with the global model dashed; (c) a box per
-    method over its seeds and the sample orders (each box point: one seed's model under one order, averaged over
-    the external clients)."""
+def ablation_figure(rows: list[Row], path: Path, policies: dict[str, str] | None = None) -> Path:
+    """UniFed Fig. 6 as three panels, accuracy averaged over the external clients: (a) against the one-batch test
+    batch size and (b) against the momentum, a line per norm state policy (``policies``: method label -> its
+    policy; cells of one policy averaged, since a model with client-specific BN has a very different global
+    model than one with shared BN), each policy's global model dashed; (c) a box per method over its seeds and
+    the sample orders (each point: one seed's model under one order)."""
     from ..figures import pyplot, save_figure
 
     plt = pyplot()
-    clients = sorted({r[2] for r in rows})
+    policies = policies or {}
 
-    def mean_of(setting: str, client: str) -> float:
-        accs = [r[3] for r in rows if r[1] == setting and r[2] == client]
+    def method_of(cell: str) -> str:
+        return cell.rsplit("/seed", 1)[0]
+
+    def group_of(cell: str) -> str:
+        return policies.get(method_of(cell), "all cells")
+
+    def mean_of(setting: str, group: str) -> float:
+        accs = [r[3] for r in rows if r[1] == setting and group_of(r[0]) == group]
         return sum(accs) / len(accs) if accs else float("nan")
 
+    groups = list(dict.fromkeys(group_of(r[0]) for r in rows))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    panels = [(axes[0], "batch", [b for b in ABLATION_TEST_BATCH_SIZES], "test batch size (one-batch, momentum 0)"),
+    panels = [(axes[0], "batch", list(ABLATION_TEST_BATCH_SIZES), "test batch size (one-batch, momentum 0)"),
               (axes[1], "momentum", list(ABLATION_MOMENTA), "momentum (weight of the history), batch 32")]
     for ax, prefix, xs, xlabel in panels:
-        for i, client in enumerate(clients):
+        for i, group in enumerate(groups):
             color = f"C{i}"
-            ax.plot(xs, [mean_of(f"{prefix} {x}", client) for x in xs], marker="o", color=color, label=client)
-            ax.axhline(mean_of("global", client), color=color, linestyle="--", label=f"{client}, global model")
+            ax.plot(xs, [mean_of(f"{prefix} {x}", group) for x in xs], marker="o", color=color,
+                    label=f"{group}: test-time BN")
+            ax.axhline(mean_of("global", group), color=color, linestyle="--", label=f"{group}: global model")
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("external accuracy (%)")
+        ax.set_ylabel("external accuracy (%), mean over clients")
         ax.grid(alpha=0.3)
     axes[0].set_xscale("log", base=2)
     axes[0].set_title("(a) one-batch study")
     axes[1].set_title("(b) momentum")
     axes[0].legend(fontsize=7)
-    methods = list(dict.fromkeys(r[0].rsplit("/seed", 1)[0] for r in rows if _is_order(r[1])))
-    boxes = [[m for cell in dict.fromkeys(r[0] for r in rows) if cell.rsplit("/seed", 1)[0] == method
-              for m in order_means(rows, cell)] for method in methods]
+    cells = list(dict.fromkeys(r[0] for r in rows if _is_order(r[1])))
+    methods = list(dict.fromkeys(method_of(cell) for cell in cells))
     if methods:
+        boxes = [[acc for cell in cells if method_of(cell) == method for acc in order_means(rows, cell)]
+                 for method in methods]
         axes[2].boxplot(boxes, tick_labels=methods)
         axes[2].tick_params(axis="x", labelrotation=60, labelsize=7)
-    axes[2].set_title(f"(c) sample order ({len(ABLATION_ORDERS)} orders x seeds), batch 32, momentum 0.9")
+    axes[2].set_title("(c) sample order: batch 32, momentum 0.9")
     axes[2].set_ylabel("external accuracy (%), mean over clients")
     axes[2].grid(alpha=0.3, axis="y")
     return save_figure(fig, path)
@@ -197,10 +207,12 @@ def run_ablation(run_dir: Path, data_dir: str | None = None, fresh: bool = False
         except (json.JSONDecodeError, TypeError) as err:
             raise SystemExit(f"{rows_path} is not a saved ablation ({err}); delete it or pass --fresh") from err
 
+    policies = {m.display: m.build().policy for m in load_run_config(run_dir).methods}
+
     def save_outputs() -> None:
         table = markdown_table(rows).encode()
         store.atomic_write_bytes(run_dir / TABLE_FILE, lambda fh: fh.write(table))
-        ablation_figure(rows, run_dir / FIGURE_FILE)
+        ablation_figure(rows, run_dir / FIGURE_FILE, policies)
 
     done_rows = {(r[0], r[1], r[2]) for r in rows}
     for _, cell_rows in iter_ablation(run_dir, data_dir, done_rows=done_rows, progress=progress):
