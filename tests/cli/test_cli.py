@@ -254,6 +254,32 @@ def test_resume_of_a_non_run_folder_fails_clearly(tmp_path):
     assert result.exit_code == 2 and "not a run folder" in result.output
 
 
+def test_external_ablation_writes_unifeds_fig6_and_names_a_run_it_cannot_ablate(tmp_path):
+    from fednorm.methods.external import ABLATION_MOMENTA, ABLATION_ORDERS, ABLATION_TEST_BATCH_SIZES
+    from fednorm.runs.unifed_ablation import ablation_rows
+
+    out = tmp_path / "run"
+    one_round = [*SETS, "--set", "methods=[fedavg]", "--set", "federation.rounds=1", "--set", "federation.eval_every=1"]
+    result = runner.invoke(app, ["run", *one_round, "--set", "external.domains=[rendered/street]", "--out", str(out),
+                                 "--quiet"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["external-ablation", str(out)])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((out / "unifed_ablation.json").read_text())
+    assert len(saved) == 2 + len(ABLATION_TEST_BATCH_SIZES) + len(ABLATION_MOMENTA) + len(ABLATION_ORDERS)
+    assert [tuple(r) for r in saved] == ablation_rows(out)  # the saved rows are the recomputed ones
+    table = (out / "unifed_ablation.md").read_text()
+    assert table in result.output and "| fedavg/seed0 | 10 orders: mean (min-max) |" in table
+    assert (out / "unifed_ablation.png").stat().st_size > 0
+    # a run without external clients, and a folder that is no run, are errors that say so
+    plain = tmp_path / "plain"
+    assert runner.invoke(app, ["run", *one_round, "--out", str(plain), "--quiet"]).exit_code == 0
+    result = runner.invoke(app, ["external-ablation", str(plain)])
+    assert result.exit_code == 2 and "has no external clients (external.domains)" in " ".join(result.output.split())
+    result = runner.invoke(app, ["external-ablation", str(tmp_path / "nothing")])
+    assert result.exit_code == 2 and "not a run folder" in result.output
+
+
 def test_resume_with_rounds_extends_a_finished_run_and_refuses_to_shorten_it(tmp_path):
     out = tmp_path / "run"
     result = runner.invoke(app, ["run", *SETS, "--set", "methods=[fedavg]", "--set", "federation.rounds=1",

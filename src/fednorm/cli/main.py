@@ -227,6 +227,25 @@ def landscape(
     console.print(f"landscape: {path}")
 
 
+@app.command("external-ablation")
+def external_ablation(
+    run_dir: Path = typer.Argument(..., help="a finished run folder with external clients (external.domains)"),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder, if it moved since the run"),
+    fresh: bool = typer.Option(False, "--fresh", help="recompute every row (ignore unifed_ablation.json)"),
+) -> None:
+    """UniFed's Fig. 6 from a run's checkpoints (no training): each external client's accuracy against the test
+    batch size, the momentum and the sample order; unifed_ablation.md / .json / .png in the run folder.
+    Re-running computes only the rows not saved yet."""
+    from ..runs.unifed_ablation import FIGURE_FILE, TABLE_FILE, markdown_table, run_ablation_with_progress
+
+    try:
+        rows = run_ablation_with_progress(run_dir, data_dir, fresh)
+    except (*_USER_ERRORS, ValueError) as exc:
+        _fail(exc)
+    console.print(markdown_table(rows), markup=False, highlight=False)
+    console.print(f"table: {run_dir / TABLE_FILE}; figure: {run_dir / FIGURE_FILE}", highlight=False)
+
+
 @app.command()
 def methods() -> None:
     """List the methods, one line each."""

@@ -14,6 +14,7 @@ It takes minutes per cell on a small CPU, so each finished cell's rows are saved
 (``unifed_ablation.json``) and a re-run computes only the (cell, setting, client) rows not there yet, so
 settings added later are filled in without redoing the rest (``--fresh`` starts over).
 
+    fednorm external-ablation RUN [--data-dir DIR] [--fresh]
     python -m fednorm.runs.unifed_ablation RUN [--data-dir DIR] [--fresh]
 """
 
@@ -29,7 +30,7 @@ from ..methods.external import (
     ABLATION_MOMENTA, ABLATION_ORDERS, ABLATION_TEST_BATCH_SIZES, DEFAULT_MOMENTUM, DEFAULT_TEST_BATCH_SIZE, ExternalBN,
 )
 from . import store
-from .runner import build_engine, build_federation_data, load_run_config, run_data_dir, split_external
+from .runner import RunError, build_engine, build_federation_data, load_run_config, run_data_dir, split_external
 
 ROWS_FILE = "unifed_ablation.json"
 TABLE_FILE = "unifed_ablation.md"
@@ -70,7 +71,7 @@ def iter_ablation(
     ``progress(done, total)`` is called after each evaluation (total = evaluations still to do)."""
     config = load_run_config(run_dir)
     if not config.external.domains:
-        raise SystemExit(f"{run_dir}: the run has no external clients (external.domains); nothing to ablate")
+        raise RunError(f"{run_dir}: the run has no external clients (external.domains); nothing to ablate")
     clients = build_federation_data(config, run_data_dir(run_dir, config, data_dir))
     _, external = split_external(clients)
     settings = ablation_settings(config.external.bn())
@@ -205,7 +206,7 @@ def run_ablation(run_dir: Path, data_dir: str | None = None, fresh: bool = False
         try:
             rows = [tuple(r) for r in json.loads(rows_path.read_text())]
         except (json.JSONDecodeError, TypeError) as err:
-            raise SystemExit(f"{rows_path} is not a saved ablation ({err}); delete it or pass --fresh") from err
+            raise RunError(f"{rows_path} is not a saved ablation ({err}); delete it or pass --fresh") from err
 
     policies = {m.display: m.build().policy for m in load_run_config(run_dir).methods}
 
@@ -224,20 +225,29 @@ def run_ablation(run_dir: Path, data_dir: str | None = None, fresh: bool = False
     return rows
 
 
+def run_ablation_with_progress(run_dir: Path, data_dir: str | None = None, fresh: bool = False) -> list[Row]:
+    """:func:`run_ablation` with a progress bar; a run folder without any checkpoint is an error."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("UniFed ablation"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()) as bar:
+        task = bar.add_task("evaluations", total=None)
+        rows = run_ablation(run_dir, data_dir, fresh,
+                            progress=lambda done, total: bar.update(task, completed=done, total=total))
+    if not rows:
+        raise RunError(f"{run_dir}: no cell has a checkpoint ({store.CHECKPOINT_FILE}); nothing to ablate")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run", type=Path)
     parser.add_argument("--data-dir")
     parser.add_argument("--fresh", action="store_true", help="recompute every cell (ignore unifed_ablation.json)")
     args = parser.parse_args(argv)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    with Progress(TextColumn("UniFed ablation"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()) as bar:
-        task = bar.add_task("evaluations", total=None)
-        rows = run_ablation(args.run, args.data_dir, args.fresh,
-                            progress=lambda done, total: bar.update(task, completed=done, total=total))
-    if not rows:
-        raise SystemExit(f"{args.run}: no cell has a checkpoint ({store.CHECKPOINT_FILE}); nothing to ablate")
+    try:
+        rows = run_ablation_with_progress(args.run, args.data_dir, args.fresh)
+    except RunError as err:
+        raise SystemExit(f"error: {err}") from err
     print(markdown_table(rows))
 
 
