@@ -147,6 +147,19 @@ def test_dsgd_pattern_means_one_step_and_a_persistent_optimizer():
         load_config("default", ["federation.pattern=dsgd", "federation.persistent_optimizer=false"])
 
 
+def test_fednova_with_a_carried_over_momentum_buffer_warns_that_its_normalization_is_approximate():
+    """FedNova's a_k for momentum assumes the buffer starts each round at zero (its official code resets it)."""
+    carried = ["methods=[fednova]", "federation.persistent_optimizer=true", "training.momentum=0.9"]
+    with pytest.warns(RuntimeWarning, match="FedNova's a_k"):
+        load_config("default", carried)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config("default", carried[:1] + ["training.momentum=0.9"])  # reset each round: a_k is exact
+        load_config("default", carried[:2] + ["training.momentum=0"])  # plain SGD: a_k = tau, nothing carried
+        load_config("default", ["methods=[fedavg]"] + carried[1:])  # FedAvg does not normalize by a_k
+
+
 def test_paper_rows_follow_the_setting_an_override_selects():
     """FedWon Table 3's preset is C = 0.1; at C = 0.2 or 0.4 its tables quote the paper's rows of that C."""
     base = load_config("fedwon_cross_device")

@@ -719,6 +719,14 @@ class ExperimentConfig(_Strict):
             if method.union_batches and self.training.steps is None:
                 raise ValueError(f"method {m.display!r} steps on the union of the clients' batches of each step: "
                                  "set training.steps (1 for DSGD)")
+            if (method.server.rule == "fednova" and self.federation.persistent_optimizer
+                    and self.training.momentum > 0):
+                warnings.warn(
+                    f"method {m.display!r} normalizes updates by FedNova's a_k for momentum "
+                    f"{self.training.momentum}, which assumes each client's momentum buffer starts every round at "
+                    "zero; federation.persistent_optimizer carries it over, so a_k is only an approximation "
+                    "(set persistent_optimizer: false for FedNova's exact normalization)",
+                    RuntimeWarning, stacklevel=2)
             if method.policy in ("local_bn", "local_bn_stats") and norm not in BATCHNORM_KINDS:
                 raise ValueError(f"method {m.display!r} keeps BatchNorm state local but its model norm is {norm!r}")
             if self.model.pretrained != "none" and norm == "ws":

@@ -52,7 +52,7 @@ def ablation_settings(base: ExternalBN) -> list[tuple[str, str, ExternalBN | Non
                                                          ("fedbn_average (App. G)", "fedbn_average", None)]
     settings += [(f"batch {b}", "test_time_bn", replace(unifed, batch_size=b, momentum=0.0))
                  for b in ABLATION_TEST_BATCH_SIZES]
-    settings += [(f"momentum {m}", "test_time_bn", replace(unifed, batch_size=32, momentum=m))
+    settings += [(f"momentum {m}", "test_time_bn", replace(unifed, batch_size=DEFAULT_TEST_BATCH_SIZE, momentum=m))
                  for m in ABLATION_MOMENTA]
     default = replace(unifed, batch_size=DEFAULT_TEST_BATCH_SIZE, momentum=DEFAULT_MOMENTUM)
     settings += [(f"order {k}", "test_time_bn", replace(default, shuffle_seed=k)) for k in ABLATION_ORDERS]
@@ -87,7 +87,8 @@ def iter_ablation(
     total, done = sum(len(left) for *_, left in missing), 0
     for method_cfg, seed, rows_left in missing:
         engine = build_engine(config, method_cfg, seed, clients)
-        engine.load_state_dict(store.load_checkpoint(store.cell_dir(run_dir, method_cfg.display, seed) / store.CHECKPOINT_FILE))
+        checkpoint = store.cell_dir(run_dir, method_cfg.display, seed) / store.CHECKPOINT_FILE
+        engine.load_state_dict(store.load_checkpoint(checkpoint))
         prepare = engine.runner.evaluation_prepare(engine.input_state)
         label = f"{method_cfg.display}/seed{seed}"
         rows: list[Row] = []
@@ -170,7 +171,8 @@ def ablation_figure(rows: list[Row], path: Path, policies: dict[str, str] | None
     groups = list(dict.fromkeys(group_of(r[0]) for r in rows))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     panels = [(axes[0], "batch", list(ABLATION_TEST_BATCH_SIZES), "test batch size (one-batch, momentum 0)"),
-              (axes[1], "momentum", list(ABLATION_MOMENTA), "momentum (weight of the history), batch 32")]
+              (axes[1], "momentum", list(ABLATION_MOMENTA),
+               f"momentum (weight of the history), batch {DEFAULT_TEST_BATCH_SIZE}")]
     for ax, prefix, xs, xlabel in panels:
         for i, group in enumerate(groups):
             color = f"C{i}"
@@ -191,7 +193,7 @@ def ablation_figure(rows: list[Row], path: Path, policies: dict[str, str] | None
                  for method in methods]
         axes[2].boxplot(boxes, tick_labels=methods)
         axes[2].tick_params(axis="x", labelrotation=60, labelsize=7)
-    axes[2].set_title("(c) sample order: batch 32, momentum 0.9")
+    axes[2].set_title(f"(c) sample order: batch {DEFAULT_TEST_BATCH_SIZE}, momentum {DEFAULT_MOMENTUM}")
     axes[2].set_ylabel("external accuracy (%), mean over clients")
     axes[2].grid(alpha=0.3, axis="y")
     return save_figure(fig, path)
