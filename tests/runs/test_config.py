@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 
 from fednorm.runs.config import ConfigError, load_config, preset_names
@@ -152,7 +154,6 @@ def test_fednova_with_a_carried_over_momentum_buffer_warns_that_its_normalizatio
     carried = ["methods=[fednova]", "federation.persistent_optimizer=true", "training.momentum=0.9"]
     with pytest.warns(RuntimeWarning, match="FedNova's a_k"):
         load_config("default", carried)
-    import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_config("default", carried[:1] + ["training.momentum=0.9"])  # reset each round: a_k is exact
