@@ -280,6 +280,22 @@ def test_external_ablation_writes_unifeds_fig6_and_names_a_run_it_cannot_ablate(
     assert result.exit_code == 2 and "not a run folder" in result.output
 
 
+def test_external_ablation_of_the_validation_selected_models_has_files_of_its_own(tmp_path):
+    out = tmp_path / "run"
+    run = [*SETS, "--set", "methods=[fedavg]", "--set", "federation.rounds=1", "--set", "federation.eval_every=1",
+           "--set", "external.domains=[rendered/street]", "--out", str(out), "--quiet"]
+    assert runner.invoke(app, ["run", *run]).exit_code == 0
+    result = runner.invoke(app, ["external-ablation", str(out), "--selected"])  # no validation data: no selection
+    assert result.exit_code == 2 and "no cell has a validation-selected model" in " ".join(result.output.split())
+    with_val = tmp_path / "val"
+    assert runner.invoke(app, ["run", *run[:-3], "--set", "data.val_fraction=0.25", "--out", str(with_val),
+                               "--quiet"]).exit_code == 0
+    result = runner.invoke(app, ["external-ablation", str(with_val), "--selected"])
+    assert result.exit_code == 0, result.output
+    assert (with_val / "unifed_ablation_selected.json").exists() and (with_val / "unifed_ablation_selected.png").exists()
+    assert "unifed_ablation_selected.md" in result.output and not (with_val / "unifed_ablation.json").exists()
+
+
 def test_resume_with_rounds_extends_a_finished_run_and_refuses_to_shorten_it(tmp_path):
     out = tmp_path / "run"
     result = runner.invoke(app, ["run", *SETS, "--set", "methods=[fedavg]", "--set", "federation.rounds=1",

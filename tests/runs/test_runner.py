@@ -354,6 +354,64 @@ def test_validation_split_and_model_selection_by_validation_accuracy(tmp_path):
         assert c["val"]["n"] > 0
 
 
+# a run whose mean validation accuracy peaks before its last round (seeded: round 3 of 6 here)
+SELECTION = ("methods=[fedbn]", "data.val_fraction=0.25", "external.domains=[rendered/street]",
+             "federation.eval_every=1", "federation.rounds=6", "training.lr=0.5")
+
+
+def test_the_validation_selected_model_is_saved_and_is_the_model_of_the_selected_round(tmp_path):
+    from fednorm.runs.runner import load_selected
+    from fednorm.runs.unifed_ablation import ablation_rows, run_ablation_with_progress
+
+    [result] = start_run(tiny_config(*SELECTION), tmp_path / "run")
+    cell = tmp_path / "run" / "fedbn" / "seed0"
+    clients = {c["name"]: c["test"] for c in result.summary["clients"]}
+    chosen = clients["rendered/print"]["selected_round"]
+    assert result.summary["selected_model"] == {"file": store.SELECTED_FILE, "round": chosen}
+    assert chosen < 6  # the selected model is not the last one: the two files must differ
+    # selected.pt holds the engine state after round `chosen` (training went on after it was kept): a run of
+    # `chosen` rounds ends with exactly that state, every client's local BN included
+    start_run(tiny_config(*SELECTION, f"federation.rounds={chosen}"), tmp_path / "short")
+    assert_same_state(load_selected(cell / store.SELECTED_FILE),
+                      store.load_checkpoint(tmp_path / "short" / "fedbn" / "seed0" / store.CHECKPOINT_FILE))
+    # the ablation of the selected model reproduces the run's scores at the selected round, that of the last
+    # model the final scores
+    for model, key in (("selected", "selected_acc"), ("final", "final_acc")):
+        rows = {r[1]: r[3] for r in ablation_rows(tmp_path / "run", model=model)}
+        assert abs(rows["global"] - 100 * clients["rendered/street:global"][key]) < 1e-9
+        assert abs(rows["momentum 0.9"] - 100 * clients["rendered/street:test_time_bn"][key]) < 1e-9
+    (cell / store.SELECTED_FILE).unlink()
+    with pytest.raises(RunError, match="no cell has a validation-selected model"):
+        run_ablation_with_progress(tmp_path / "run", model="selected")
+
+
+def test_a_resumed_run_keeps_the_selected_model_of_its_kept_history_only(tmp_path):
+    from fednorm.runs.runner import ModelSelection, load_selected
+
+    cfg = tiny_config(*SELECTION, "federation.checkpoint_every=2")
+    [straight] = start_run(cfg, tmp_path / "straight")
+    chosen = straight.summary["selected_model"]["round"]
+    assert chosen == 3  # kept at the round-4 checkpoint, before the stop below
+    expected = load_selected(tmp_path / "straight" / "fedbn" / "seed0" / store.SELECTED_FILE)
+    for name, stop, damage in (("stopped", 5, None), ("before the peak's checkpoint", 3, None), ("lost", 5, 5)):
+        with pytest.raises(Stop):
+            start_run(cfg, tmp_path / name, progress=stop_after(stop))  # the checkpoint is round stop - 1's
+        cell = tmp_path / name / "fedbn" / "seed0"
+        # selected.pt never runs ahead of the checkpoint: stopped after round 3, it holds round 1 or 2
+        assert ModelSelection.read_round(cell / store.SELECTED_FILE) <= store.load_checkpoint(
+            cell / store.CHECKPOINT_FILE)["round"] == stop - 1
+        if damage:  # a selected.pt past the checkpoint (a stop between the two writes): of no kept history
+            state = store.load_checkpoint(cell / store.SELECTED_FILE)
+            store.save_checkpoint(cell / store.SELECTED_FILE, {**state, "round": damage})
+        [resumed] = resume_run(tmp_path / name)
+        if damage:  # deleted on resume, never passed off as round 3's model; no later round beat round 3
+            assert not (cell / store.SELECTED_FILE).exists() and "selected_model" not in resumed.summary
+        else:
+            assert resumed.summary["selected_model"] == straight.summary["selected_model"]
+            assert_same_state(load_selected(cell / store.SELECTED_FILE), expected)
+        assert resumed.summary["clients"] == straight.summary["clients"]  # the selected scores come from metrics
+
+
 def test_best_is_one_round_for_every_client_not_each_clients_own_best():
     """report --best: the scores of the round with the best mean internal test score (one model), not the
     per-client maxima (client a peaks in round 1, client b in round 2; the mean peaks in round 2)."""

@@ -231,19 +231,23 @@ def landscape(
 def external_ablation(
     run_dir: Path = typer.Argument(..., help="a finished run folder with external clients (external.domains)"),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder, if it moved since the run"),
-    fresh: bool = typer.Option(False, "--fresh", help="recompute every row (ignore unifed_ablation.json)"),
+    fresh: bool = typer.Option(False, "--fresh", help="recompute every row (ignore the saved rows)"),
+    selected: bool = typer.Option(False, "--selected", help="each cell's validation-selected model (selected.pt, "
+                                  "UniFed's model selection) instead of its last one (checkpoint.pt)"),
 ) -> None:
     """UniFed's Fig. 6 from a run's checkpoints (no training): each external client's accuracy against the test
-    batch size, the momentum and the sample order; unifed_ablation.md / .json / .png in the run folder.
-    Re-running computes only the rows not saved yet."""
-    from ..runs.unifed_ablation import FIGURE_FILE, TABLE_FILE, markdown_table, run_ablation_with_progress
+    batch size, the momentum and the sample order; unifed_ablation.md / .json / .png in the run folder
+    (unifed_ablation_selected.* with --selected). Re-running computes only the rows not saved yet."""
+    from ..runs.unifed_ablation import markdown_table, output_files, run_ablation_with_progress
 
+    model = "selected" if selected else "final"
     try:
-        rows = run_ablation_with_progress(run_dir, data_dir, fresh)
+        rows = run_ablation_with_progress(run_dir, data_dir, fresh, model=model)
     except (*_USER_ERRORS, ValueError) as exc:
         _fail(exc)
+    _, table_file, figure_file = output_files(model)
     console.print(markdown_table(rows), markup=False, highlight=False)
-    console.print(f"table: {run_dir / TABLE_FILE}; figure: {run_dir / FIGURE_FILE}", highlight=False)
+    console.print(f"table: {run_dir / table_file}; figure: {run_dir / figure_file}", highlight=False)
 
 
 @app.command()

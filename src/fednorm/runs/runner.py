@@ -273,6 +273,7 @@ def run_cell(
                            "The config.yaml or the code changed since the checkpoint was written: restore them, or "
                            "delete the checkpoint to restart this cell from round 0") from exc
     store.truncate_metrics(metrics_path, engine.round)
+    selection = ModelSelection(cell / store.SELECTED_FILE, store.read_metrics(metrics_path))
     rounds, f = config.federation.rounds, config.federation
     external_names = {c.name for c in external_entries(split_external(clients)[1], config.external.modes)}
     label = method_cfg.display
@@ -312,6 +313,7 @@ def run_cell(
                      "n": e.num_examples, "metric": e.metric, "diverged": True} for e in evals])
             if progress:
                 progress(label, seed, rounds, rounds, {"diverged": this_round})
+            selection.flush()  # the cell ends here, its metrics past the checkpoint kept: so is its selection
             break
         r = engine.round
         records = [
@@ -328,6 +330,7 @@ def run_cell(
                  "n": e.num_examples, "metric": e.metric}
                 for e in evals
             ]
+            selection.observe(r, evals, engine)
             tests = [e.accuracy for e in evals if e.split == "test" and e.client not in external_names]
             if tests:
                 last["test_acc"] = sum(tests) / len(tests)
@@ -337,6 +340,7 @@ def run_cell(
                                 **measured.as_record()})
         store.append_metrics(metrics_path, records)
         if r % f.checkpoint_every == 0 or r == rounds:
+            selection.flush()  # first: selected.pt never holds a round past the checkpoint's
             store.save_checkpoint(checkpoint_path, engine.state_dict())
         if progress:
             progress(label, seed, r, rounds, last)
@@ -354,6 +358,8 @@ def run_cell(
                              seed, rounds)
     if diverged is not None:
         summary["diverged"] = diverged
+    if selection.has_model:
+        summary["selected_model"] = {"file": store.SELECTED_FILE, "round": selection.saved_round}
     # the plots before the summary, which marks the cell finished: a failure in between leaves the cell to be
     # finished by a resume (from its last checkpoint: the plots and summary only when that is the last round; a
     # diverged cell, which stops without a checkpoint, trains again from its last one), not finished without plots
@@ -382,17 +388,90 @@ def external_entries(external: list[ClientData], modes) -> list[ClientData]:
             for c in external for mode in modes]
 
 
-def scores_at_best_mean_round(per_client: list[dict], records: list[dict], split: str, prefix: str,
-                             among: set[str] | None = None) -> None:
-    """Record in each client's test entry ``<prefix>_acc`` and ``<prefix>_round``: its test score at the round
-    whose mean ``split`` score over the clients (``among``, else all that have one) is best (earliest on ties)."""
+def mean_scores_by_round(records: list[dict], split: str, among: set[str] | None = None) -> dict[int, float]:
+    """Round -> the mean ``split`` score over the clients (``among``, else all that have one) of that round."""
     by_round: dict[int, list[float]] = {}
     for r in records:
         if r["split"] == split and (among is None or r["client"] in among):
             by_round.setdefault(r["round"], []).append(r["acc"])
-    if not by_round:
+    return {rnd: sum(accs) / len(accs) for rnd, accs in by_round.items()}
+
+
+def best_mean_round(records: list[dict], split: str, among: set[str] | None = None) -> int | None:
+    """The round whose mean ``split`` score is best, the earliest on ties; None when no record has the split.
+    The one rule of model selection: the summary's ``selected`` scores and ``selected.pt`` both use it."""
+    means = {rnd: m for rnd, m in mean_scores_by_round(records, split, among).items() if math.isfinite(m)}
+    return max(means, key=lambda rnd: (means[rnd], -rnd)) if means else None  # (a diverged round's NaN: never)
+
+
+class ModelSelection:
+    """UniFed's model selection kept as a model, not only as a round: the engine state of the round with the best
+    mean validation score (:func:`best_mean_round`), so that what is evaluated afterwards (the external-client
+    ablation) can use the selected model rather than the last one.
+
+    The state is serialized in memory when a round beats the best so far and written to ``selected.pt`` just
+    before the checkpoint, so the file never holds a round the checkpoint's history has not reached. On resume
+    the best round is recomputed from the metrics the checkpoint kept; a ``selected.pt`` of another round (a stop
+    between the two writes, or a run begun before selected.pt existed) belongs to no kept history and is
+    deleted: the cell then has a selected model again only once a later round beats the kept best. On Flower the
+    engine state is the server's (global model, server optimizer): clients' local state stays on their nodes."""
+
+    def __init__(self, path: Path, records: list[dict]):
+        self.path = path
+        means = mean_scores_by_round(records, "val")
+        self.best_round = best_mean_round(records, "val")
+        self.best_score = means[self.best_round] if self.best_round is not None else -math.inf
+        self.pending: bytes | None = None
+        self.saved_round = self.read_round(path) if path.exists() else None
+        if self.saved_round is not None and self.saved_round != self.best_round:
+            path.unlink()
+            self.saved_round = None
+
+    @staticmethod
+    def read_round(path: Path) -> int | None:
+        """The round a ``selected.pt`` holds (None if it cannot be read: it is then replaced or deleted)."""
+        try:
+            return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["round"])
+        except Exception:  # noqa: BLE001 - an unreadable file is as good as none
+            return None
+
+    def observe(self, round_: int, evals, engine) -> None:
+        """Keep the engine's state when this round's mean validation score beats the best so far."""
+        vals = [e.accuracy for e in evals if e.split == "val"]
+        if not vals or not sum(vals) / len(vals) > self.best_score:
+            return
+        import io
+
+        self.best_round, self.best_score = round_, sum(vals) / len(vals)
+        buffer = io.BytesIO()  # a copy now: the engine's tensors change in the next round
+        torch.save({"round": round_, "val_mean": self.best_score, "state": engine.state_dict()}, buffer)
+        self.pending = buffer.getvalue()
+
+    def flush(self) -> None:
+        """Write the selected state kept since the last checkpoint (call just before writing the checkpoint)."""
+        if self.pending is not None:
+            pending = self.pending
+            store.atomic_write_bytes(self.path, lambda fh: fh.write(pending))
+            self.saved_round, self.pending = self.best_round, None
+
+    @property
+    def has_model(self) -> bool:
+        """Whether ``selected.pt`` holds the model of the selected round (after the last :meth:`flush`)."""
+        return self.saved_round is not None and self.saved_round == self.best_round
+
+
+def load_selected(path: Path) -> dict:
+    """The engine state a ``selected.pt`` holds, for an engine's ``load_state_dict``."""
+    return store.load_checkpoint(path)["state"]
+
+
+def scores_at_best_mean_round(per_client: list[dict], records: list[dict], split: str, prefix: str,
+                             among: set[str] | None = None) -> None:
+    """Record in each client's test entry ``<prefix>_acc`` and ``<prefix>_round``: its test score at the round
+    whose mean ``split`` score over the clients (``among``, else all that have one) is best (earliest on ties)."""
+    chosen = best_mean_round(records, split, among)
+    if chosen is None:
         return
-    chosen = max(by_round, key=lambda rnd: (sum(by_round[rnd]) / len(by_round[rnd]), -rnd))
     for e in per_client:
         at = [r for r in records if r["client"] == e["name"] and r["split"] == "test" and r["round"] == chosen]
         if at and "test" in e:

@@ -11,6 +11,8 @@ RUN_DIR/
   <method>/seed<k>/
     metrics.jsonl             one line per round per client and split
     checkpoint.pt             engine state after the last completed round (atomic replace)
+    selected.pt               engine state at the round of the best mean validation score (runs with validation
+                              data; written with the checkpoint, so both belong to one history)
     summary.json              final and best per-client metrics (written when the cell ends)
     accuracy.png, loss.png    per-client curves
 ```
@@ -29,6 +31,7 @@ import torch
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_FILE = "checkpoint.pt"
+SELECTED_FILE = "selected.pt"
 SUMMARY_FILE = "summary.json"
 
 

@@ -14,8 +14,12 @@ It takes minutes per cell on a small CPU, so each finished cell's rows are saved
 (``unifed_ablation.json``) and a re-run computes only the (cell, setting, client) rows not there yet, so
 settings added later are filled in without redoing the rest (``--fresh`` starts over).
 
-    fednorm external-ablation RUN [--data-dir DIR] [--fresh]
-    python -m fednorm.runs.unifed_ablation RUN [--data-dir DIR] [--fresh]
+Which model: by default each cell's last one (``checkpoint.pt``, the run's "final" scores); with ``--selected``
+the validation-selected one (``selected.pt``, the round of the best mean validation score, as UniFed selects its
+models; runs with validation data), into files of their own (``unifed_ablation_selected.*``).
+
+    fednorm external-ablation RUN [--data-dir DIR] [--fresh] [--selected]
+    python -m fednorm.runs.unifed_ablation RUN [--data-dir DIR] [--fresh] [--selected]
 """
 
 from __future__ import annotations
@@ -30,11 +34,30 @@ from ..methods.external import (
     ABLATION_MOMENTA, ABLATION_ORDERS, ABLATION_TEST_BATCH_SIZES, DEFAULT_MOMENTUM, DEFAULT_TEST_BATCH_SIZE, ExternalBN,
 )
 from . import store
-from .runner import RunError, build_engine, build_federation_data, load_run_config, run_data_dir, split_external
+from .runner import (RunError, build_engine, build_federation_data, load_run_config, load_selected, run_data_dir,
+                     split_external)
 
 ROWS_FILE = "unifed_ablation.json"
 TABLE_FILE = "unifed_ablation.md"
 FIGURE_FILE = "unifed_ablation.png"
+MODELS = ("final", "selected")  # which model of each cell is re-evaluated: checkpoint.pt, or selected.pt
+
+
+def model_file(model: str) -> str:
+    """The cell file that holds ``model`` (one of :data:`MODELS`)."""
+    if model not in MODELS:
+        raise ValueError(f"model {model!r}: use one of {MODELS}")
+    return store.CHECKPOINT_FILE if model == "final" else store.SELECTED_FILE
+
+
+def output_files(model: str) -> tuple[str, str, str]:
+    """(rows, table, figure) file names of the ablation of ``model``: the selected model's get a suffix, so the
+    rows of the two models never mix."""
+    model_file(model)
+    if model == "final":
+        return ROWS_FILE, TABLE_FILE, FIGURE_FILE
+    return tuple(name.replace("unifed_ablation", "unifed_ablation_selected") for name in (ROWS_FILE, TABLE_FILE,
+                                                                                          FIGURE_FILE))
 
 Row = tuple[str, str, str, float]  # (cell, setting, external client, accuracy %)
 
@@ -64,11 +87,14 @@ def iter_ablation(
     data_dir: str | None = None,
     done_rows: set[tuple[str, str, str]] = frozenset(),
     progress: Callable[[int, int], None] | None = None,
+    model: str = "final",
 ) -> Iterator[tuple[str, list[Row]]]:
-    """Yield (cell label, its new rows) for every cell with a checkpoint that has a (setting, external client)
-    row not in ``done_rows`` (a set of (cell, setting, client)); only the missing rows are computed.
+    """Yield (cell label, its new rows) for every cell with the ``model`` file (:func:`model_file`) that has a
+    (setting, external client) row not in ``done_rows`` (a set of (cell, setting, client)); only the missing rows
+    are computed.
 
     ``progress(done, total)`` is called after each evaluation (total = evaluations still to do)."""
+    state_file = model_file(model)
     config = load_run_config(run_dir)
     if not config.external.domains:
         raise RunError(f"{run_dir}: the run has no external clients (external.domains); nothing to ablate")
@@ -79,7 +105,7 @@ def iter_ablation(
     for m in config.methods:
         for s in config.seeds:
             label = f"{m.display}/seed{s}"
-            if (store.cell_dir(run_dir, m.display, s) / store.CHECKPOINT_FILE).exists():
+            if (store.cell_dir(run_dir, m.display, s) / state_file).exists():
                 rows_left = [(client, setting) for client in external for setting in settings
                              if (label, setting[0], client.name) not in done_rows]
                 if rows_left:
@@ -87,8 +113,8 @@ def iter_ablation(
     total, done = sum(len(left) for *_, left in missing), 0
     for method_cfg, seed, rows_left in missing:
         engine = build_engine(config, method_cfg, seed, clients)
-        checkpoint = store.cell_dir(run_dir, method_cfg.display, seed) / store.CHECKPOINT_FILE
-        engine.load_state_dict(store.load_checkpoint(checkpoint))
+        path = store.cell_dir(run_dir, method_cfg.display, seed) / state_file
+        engine.load_state_dict(store.load_checkpoint(path) if model == "final" else load_selected(path))
         prepare = engine.runner.evaluation_prepare(engine.input_state)
         label = f"{method_cfg.display}/seed{seed}"
         rows: list[Row] = []
@@ -103,9 +129,9 @@ def iter_ablation(
         yield label, rows
 
 
-def ablation_rows(run_dir: Path, data_dir: str | None = None) -> list[Row]:
+def ablation_rows(run_dir: Path, data_dir: str | None = None, model: str = "final") -> list[Row]:
     """Every (cell, setting, external client, accuracy %) row of the run, computed now (nothing saved)."""
-    return [row for _, rows in iter_ablation(run_dir, data_dir) for row in rows]
+    return [row for _, rows in iter_ablation(run_dir, data_dir, model=model) for row in rows]
 
 
 def _is_order(setting: str) -> bool:
@@ -200,9 +226,10 @@ def ablation_figure(rows: list[Row], path: Path, policies: dict[str, str] | None
 
 
 def run_ablation(run_dir: Path, data_dir: str | None = None, fresh: bool = False,
-                 progress: Callable[[int, int], None] | None = None) -> list[Row]:
+                 progress: Callable[[int, int], None] | None = None, model: str = "final") -> list[Row]:
     """Compute the rows not saved yet, saving rows, table and figure after each cell; return all rows."""
-    rows_path = run_dir / ROWS_FILE
+    rows_file, table_file, figure_file = output_files(model)
+    rows_path = run_dir / rows_file
     rows: list[Row] = []
     if rows_path.exists() and not fresh:
         try:
@@ -214,11 +241,11 @@ def run_ablation(run_dir: Path, data_dir: str | None = None, fresh: bool = False
 
     def save_outputs() -> None:
         table = markdown_table(rows).encode()
-        store.atomic_write_bytes(run_dir / TABLE_FILE, lambda fh: fh.write(table))
-        ablation_figure(rows, run_dir / FIGURE_FILE, policies)
+        store.atomic_write_bytes(run_dir / table_file, lambda fh: fh.write(table))
+        ablation_figure(rows, run_dir / figure_file, policies)
 
     done_rows = {(r[0], r[1], r[2]) for r in rows}
-    for _, cell_rows in iter_ablation(run_dir, data_dir, done_rows=done_rows, progress=progress):
+    for _, cell_rows in iter_ablation(run_dir, data_dir, done_rows=done_rows, progress=progress, model=model):
         rows += cell_rows
         store.write_json(rows_path, rows)  # each cell as soon as it is done: a stopped ablation loses nothing
         save_outputs()
@@ -227,16 +254,20 @@ def run_ablation(run_dir: Path, data_dir: str | None = None, fresh: bool = False
     return rows
 
 
-def run_ablation_with_progress(run_dir: Path, data_dir: str | None = None, fresh: bool = False) -> list[Row]:
-    """:func:`run_ablation` with a progress bar; a run folder without any checkpoint is an error."""
+def run_ablation_with_progress(run_dir: Path, data_dir: str | None = None, fresh: bool = False,
+                               model: str = "final") -> list[Row]:
+    """:func:`run_ablation` with a progress bar; a run folder where no cell has the model's file is an error."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     with Progress(TextColumn("UniFed ablation"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()) as bar:
         task = bar.add_task("evaluations", total=None)
         rows = run_ablation(run_dir, data_dir, fresh,
-                            progress=lambda done, total: bar.update(task, completed=done, total=total))
+                            progress=lambda done, total: bar.update(task, completed=done, total=total), model=model)
     if not rows:
-        raise RunError(f"{run_dir}: no cell has a checkpoint ({store.CHECKPOINT_FILE}); nothing to ablate")
+        why = ("a checkpoint" if model == "final" else
+               "a validation-selected model (a run with validation data, data.val_fraction > 0, saves one; "
+               "leave out --selected for each cell's last model)")
+        raise RunError(f"{run_dir}: no cell has {why} ({model_file(model)}); nothing to ablate")
     return rows
 
 
@@ -245,9 +276,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("run", type=Path)
     parser.add_argument("--data-dir")
     parser.add_argument("--fresh", action="store_true", help="recompute every cell (ignore unifed_ablation.json)")
+    parser.add_argument("--selected", action="store_true",
+                        help="each cell's validation-selected model (selected.pt), not its last one")
     args = parser.parse_args(argv)
     try:
-        rows = run_ablation_with_progress(args.run, args.data_dir, args.fresh)
+        rows = run_ablation_with_progress(args.run, args.data_dir, args.fresh,
+                                          model="selected" if args.selected else "final")
     except RunError as err:
         raise SystemExit(f"error: {err}") from err
     print(markdown_table(rows))
