@@ -264,10 +264,11 @@ def run_ablation_with_progress(run_dir: Path, data_dir: str | None = None, fresh
         rows = run_ablation(run_dir, data_dir, fresh,
                             progress=lambda done, total: bar.update(task, completed=done, total=total), model=model)
     if not rows:
-        why = ("a checkpoint" if model == "final" else
-               "a validation-selected model (a run with validation data, data.val_fraction > 0, saves one; "
-               "leave out --selected for each cell's last model)")
-        raise RunError(f"{run_dir}: no cell has {why} ({model_file(model)}); nothing to ablate")
+        what, advice = ("a checkpoint", "") if model == "final" else (
+            "a validation-selected model",
+            ". A run with validation data (data.val_fraction > 0) keeps one per cell; runs without validation data "
+            "or written by an older fednorm have none: leave out --selected to ablate each cell's last model")
+        raise RunError(f"{run_dir}: no cell has {what} ({model_file(model)}); nothing to ablate{advice}")
     return rows
 
 
