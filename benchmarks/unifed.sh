@@ -7,9 +7,11 @@
 #                                  # leave-one-corruption-type-out: one run folder per held-out type, each
 #                                  # ending with its summary beside UniFed Table III (paper_summary.md)
 #   ABLATION=1 RUN=benchmarks/results/unifed/<run> bash benchmarks/unifed.sh
-#                                  # UniFed Fig. 6: external accuracy against test batch size and momentum,
-#                                  # saved per cell (re-running continues),
-#                                  # re-evaluating a finished run's checkpoints (no training)
+#                                  # UniFed Fig. 6 (= fednorm external-ablation <run>): external accuracy against
+#                                  # (a) test batch size, (b) momentum and (c) the order of the test samples,
+#                                  # re-evaluating a finished run's checkpoints (no training), saved per cell
+#                                  # (re-running continues); SELECTED=1: each cell's validation-selected model
+#                                  # (selected.pt, runs since session 31) instead of its last one
 #   PAIRS="fedavg fedprox" PART=a PRESET=unifed_corrupt_internal bash benchmarks/unifed.sh
 #                                  # only these algorithms, each with and without client-specific BN (+ours), in
 #                                  # run folder <preset>-<PART>: split a preset across parallel one-thread runs;
@@ -38,7 +40,8 @@ run() {  # run folder, extra args...
 }
 mkdir -p benchmarks/results/unifed
 if [ "${ABLATION:-0}" = 1 ]; then
-  .venv/bin/python -m fednorm.runs.unifed_ablation "${RUN:?set RUN to a finished run folder}" --data-dir "$DATA"
+  which=(); [ "${SELECTED:-0}" = 1 ] && which=(--selected)
+  .venv/bin/python -m fednorm.runs.unifed_ablation "${RUN:?set RUN to a finished run folder}" --data-dir "$DATA" "${which[@]}"
   exit 0
 fi
 if [ -n "${PAIRS:-}" ]; then
