@@ -249,6 +249,17 @@ def test_missing_data_folder_exits_with_a_clear_message(tmp_path):
     assert str(tmp_path / "none") in result.output.replace("\n", "")
 
 
+def test_a_config_warning_is_one_line_naming_what_to_set_not_pydantics_file(tmp_path):
+    """FedNova with a carried-over momentum buffer runs but warns; Python's own format would point at pydantic."""
+    result = runner.invoke(app, ["run", *SETS, "--set", "methods=[fednova]", "--set", "training.momentum=0.9",
+                                 "--set", "federation.persistent_optimizer=true", "--set", "data.domains=[usps]",
+                                 "--data-dir", str(tmp_path / "none"), "--out", str(tmp_path / "r"), "--quiet"])
+    output = " ".join(result.output.split())
+    assert "warning: method 'fednova' normalizes updates by FedNova's a_k" in output
+    assert "set persistent_optimizer: false" in output
+    assert "pydantic" not in output and "RuntimeWarning" not in output
+
+
 def test_resume_of_a_non_run_folder_fails_clearly(tmp_path):
     result = runner.invoke(app, ["resume", str(tmp_path)])
     assert result.exit_code == 2 and "not a run folder" in result.output

@@ -2,7 +2,7 @@ import warnings
 
 import pytest
 
-from fednorm.runs.config import ConfigError, load_config, preset_names
+from fednorm.runs.config import ConfigError, ConfigWarning, load_config, preset_names
 
 
 def test_default_preset_is_fedbn_against_fedavg_on_rendered_domains():
@@ -152,7 +152,7 @@ def test_dsgd_pattern_means_one_step_and_a_persistent_optimizer():
 def test_fednova_with_a_carried_over_momentum_buffer_warns_that_its_normalization_is_approximate():
     """FedNova's a_k for momentum assumes the buffer starts each round at zero (its official code resets it)."""
     carried = ["methods=[fednova]", "federation.persistent_optimizer=true", "training.momentum=0.9"]
-    with pytest.warns(RuntimeWarning, match="FedNova's a_k"):
+    with pytest.warns(ConfigWarning, match="FedNova's a_k"):
         load_config("default", carried)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -18,7 +19,7 @@ from ..data.domain import DataError
 from ..engines.device import DeviceError
 from ..methods.aggregation import UpdateError
 from ..methods.presets import PRESETS
-from ..runs.config import ConfigError, load_config, preset_names
+from ..runs.config import ConfigError, ConfigWarning, load_config, preset_names
 from ..runs.store import CorruptFileError
 from ..runs.report import ResultsTable, build_table, collect_runs, read_summaries
 from ..runs.runner import (RunError, load_run_config, resolved_hardware, resume_run, start_run,
@@ -34,6 +35,23 @@ _USER_ERRORS = (ConfigError, DataError, DeviceError, RunError, UpdateError, Floa
 # run and resume also show ValueError as a message: the data protocol's and the checkpoint's checks raise it with
 # what is wrong and what to do (e.g. "cannot give 1000 clients ..."), as the other commands already do
 _RUN_ERRORS = (*_USER_ERRORS, ValueError)
+
+
+_python_showwarning = warnings.showwarning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A ConfigWarning as one ``warning:`` line: its location would be pydantic's, which tells a user nothing."""
+    if issubclass(category, ConfigWarning):
+        err_console.print(f"[bold yellow]warning:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
+    else:
+        _python_showwarning(message, category, filename, lineno, file, line)
+
+
+@app.callback()
+def _cli() -> None:
+    # every command loads a config: its warnings are shown the CLI's way (the app's help stays the module's)
+    warnings.showwarning = _show_warning
 
 
 def _fail(exc: Exception, run_dir: Path | None = None) -> None:

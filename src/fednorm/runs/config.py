@@ -37,6 +37,13 @@ class ConfigError(ValueError):
     """The configuration is invalid; the message lists each problem with its key."""
 
 
+class ConfigWarning(RuntimeWarning):
+    """The configuration runs, but not as its paper or this machine intends (the message says what to set).
+
+    Raised while pydantic validates, so Python's own location line would name pydantic's file; the CLI prints
+    these as one ``warning:`` line instead."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -376,7 +383,7 @@ class TrainingConfig(_Strict):
             warnings.warn(
                 "training.precision is bf16 but this machine has no native bf16 (no AMX / AVX512-BF16): "
                 "PyTorch emulates it, many times slower than fp32; use precision: auto or fp32",
-                RuntimeWarning, stacklevel=2)
+                ConfigWarning, stacklevel=2)
         return LocalTraining(**values)
 
 
@@ -726,7 +733,7 @@ class ExperimentConfig(_Strict):
                     f"{self.training.momentum}, which assumes each client's momentum buffer starts every round at "
                     "zero; federation.persistent_optimizer carries it over, so a_k is only an approximation "
                     "(set persistent_optimizer: false for FedNova's exact normalization)",
-                    RuntimeWarning, stacklevel=2)
+                    ConfigWarning, stacklevel=2)
             if method.policy in ("local_bn", "local_bn_stats") and norm not in BATCHNORM_KINDS:
                 raise ValueError(f"method {m.display!r} keeps BatchNorm state local but its model norm is {norm!r}")
             if self.model.pretrained != "none" and norm == "ws":

@@ -11,6 +11,7 @@ folder (:func:`preflight`).
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
@@ -440,8 +441,6 @@ class ModelSelection:
         vals = [e.accuracy for e in evals if e.split == "val"]
         if not vals or not sum(vals) / len(vals) > self.best_score:
             return
-        import io
-
         self.best_round, self.best_score = round_, sum(vals) / len(vals)
         buffer = io.BytesIO()  # a copy now: the engine's tensors change in the next round
         torch.save({"round": round_, "val_mean": self.best_score, "state": engine.state_dict()}, buffer)
