@@ -383,6 +383,11 @@ def test_the_validation_selected_model_is_saved_and_is_the_model_of_the_selected
     (cell / store.SELECTED_FILE).unlink()
     with pytest.raises(RunError, match="no cell has a validation-selected model"):
         run_ablation_with_progress(tmp_path / "run", model="selected")
+    # switched off: no model file, the same selected scores in the summary
+    [lean] = start_run(tiny_config(*SELECTION, "federation.keep_selected_model=false"), tmp_path / "lean")
+    assert not (tmp_path / "lean" / "fedbn" / "seed0" / store.SELECTED_FILE).exists()
+    assert "selected_model" not in lean.summary
+    assert lean.summary["clients"] == result.summary["clients"]
 
 
 def test_a_resumed_run_keeps_the_selected_model_of_its_kept_history_only(tmp_path):

@@ -411,6 +411,10 @@ class FederationConfig(_Strict):
     persistent_optimizer: bool = False
     eval_every: int = Field(1, ge=1)
     checkpoint_every: int = Field(1, ge=1)
+    keep_selected_model: bool = Field(
+        True, description="with validation data, write <method>/seed<k>/selected.pt: the engine state of the round "
+        "with the best mean validation score (UniFed's model selection), for `fednorm external-ablation --selected`; "
+        "as large as a checkpoint. false: summary.json still reports the selected round's scores, no model is kept")
     channels_last: bool | Literal["auto"] = Field(
         "auto", description="NHWC memory format; auto: on where training runs in bf16 (AMX convolutions want it), "
         "off in fp32, where it was no faster here and its BN / conv backward less precise (benchmarks/performance.md)")

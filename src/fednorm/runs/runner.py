@@ -274,7 +274,8 @@ def run_cell(
                            "The config.yaml or the code changed since the checkpoint was written: restore them, or "
                            "delete the checkpoint to restart this cell from round 0") from exc
     store.truncate_metrics(metrics_path, engine.round)
-    selection = ModelSelection(cell / store.SELECTED_FILE, store.read_metrics(metrics_path))
+    selection = ModelSelection(cell / store.SELECTED_FILE, store.read_metrics(metrics_path),
+                               keep=config.federation.keep_selected_model)
     rounds, f = config.federation.rounds, config.federation
     external_names = {c.name for c in external_entries(split_external(clients)[1], config.external.modes)}
     label = method_cfg.display
@@ -414,11 +415,12 @@ class ModelSelection:
     before the checkpoint, so the file never holds a round the checkpoint's history has not reached. On resume
     the best round is recomputed from the metrics the checkpoint kept; a ``selected.pt`` of another round (a stop
     between the two writes, or a run begun before selected.pt existed) belongs to no kept history and is
-    deleted: the cell then has a selected model again only once a later round beats the kept best. On Flower the
+    deleted: the cell then has a selected model again only once a later round beats the kept best. With
+    ``keep=False`` (``federation.keep_selected_model: false``) nothing is written. On Flower the
     engine state is the server's (global model, server optimizer): clients' local state stays on their nodes."""
 
-    def __init__(self, path: Path, records: list[dict]):
-        self.path = path
+    def __init__(self, path: Path, records: list[dict], keep: bool = True):
+        self.path, self.keep = path, keep
         means = mean_scores_by_round(records, "val")
         self.best_round = best_mean_round(records, "val")
         self.best_score = means[self.best_round] if self.best_round is not None else -math.inf
@@ -439,7 +441,7 @@ class ModelSelection:
     def observe(self, round_: int, evals, engine) -> None:
         """Keep the engine's state when this round's mean validation score beats the best so far."""
         vals = [e.accuracy for e in evals if e.split == "val"]
-        if not vals or not sum(vals) / len(vals) > self.best_score:
+        if not self.keep or not vals or not sum(vals) / len(vals) > self.best_score:
             return
         self.best_round, self.best_score = round_, sum(vals) / len(vals)
         buffer = io.BytesIO()  # a copy now: the engine's tensors change in the next round
