@@ -398,22 +398,29 @@ def test_a_resumed_run_keeps_the_selected_model_of_its_kept_history_only(tmp_pat
     chosen = straight.summary["selected_model"]["round"]
     assert chosen == 3  # kept at the round-4 checkpoint, before the stop below
     expected = load_selected(tmp_path / "straight" / "fedbn" / "seed0" / store.SELECTED_FILE)
-    for name, stop, damage in (("stopped", 5, None), ("before the peak's checkpoint", 3, None), ("lost", 5, 5)):
+    pending = store.SELECTED_FILE.replace(".pt", ".pending.pt")
+    for name, stop, between in (("stopped", 5, None), ("before the peak's checkpoint", 3, None),
+                                ("between the writes, before the checkpoint", 5, "before"),
+                                ("between the writes, after the checkpoint", 5, "after")):
         with pytest.raises(Stop):
             start_run(cfg, tmp_path / name, progress=stop_after(stop))  # the checkpoint is round stop - 1's
         cell = tmp_path / name / "fedbn" / "seed0"
         # selected.pt never runs ahead of the checkpoint: stopped after round 3, it holds round 1 or 2
         assert ModelSelection.read_round(cell / store.SELECTED_FILE) <= store.load_checkpoint(
             cell / store.CHECKPOINT_FILE)["round"] == stop - 1
-        if damage:  # a selected.pt past the checkpoint (a stop between the two writes): of no kept history
-            state = store.load_checkpoint(cell / store.SELECTED_FILE)
-            store.save_checkpoint(cell / store.SELECTED_FILE, {**state, "round": damage})
+        assert not (cell / pending).exists()  # committed with its checkpoint
+        state = store.load_checkpoint(cell / store.SELECTED_FILE)
+        if between == "before":  # a later round's pending file, its checkpoint never written: of no kept history
+            store.save_checkpoint(cell / pending, {**state, "round": 5})
+        elif between == "after":  # round 3's file still pending, selected.pt an older best's (another model)
+            (cell / store.SELECTED_FILE).rename(cell / pending)
+            store.save_checkpoint(cell / store.SELECTED_FILE,
+                                  {**state, "round": 1, "state": store.load_checkpoint(cell / store.CHECKPOINT_FILE)})
         [resumed] = resume_run(tmp_path / name)
-        if damage:  # deleted on resume, never passed off as round 3's model; no later round beat round 3
-            assert not (cell / store.SELECTED_FILE).exists() and "selected_model" not in resumed.summary
-        else:
-            assert resumed.summary["selected_model"] == straight.summary["selected_model"]
-            assert_same_state(load_selected(cell / store.SELECTED_FILE), expected)
+        # neither stop loses round 3's model nor passes another round's off as it
+        assert resumed.summary["selected_model"] == straight.summary["selected_model"]
+        assert_same_state(load_selected(cell / store.SELECTED_FILE), expected)
+        assert not (cell / pending).exists()
         assert resumed.summary["clients"] == straight.summary["clients"]  # the selected scores come from metrics
 
 

@@ -316,6 +316,7 @@ def run_cell(
             if progress:
                 progress(label, seed, rounds, rounds, {"diverged": this_round})
             selection.flush()  # the cell ends here, its metrics past the checkpoint kept: so is its selection
+            selection.commit()
             break
         r = engine.round
         records = [
@@ -342,8 +343,9 @@ def run_cell(
                                 **measured.as_record()})
         store.append_metrics(metrics_path, records)
         if r % f.checkpoint_every == 0 or r == rounds:
-            selection.flush()  # first: selected.pt never holds a round past the checkpoint's
+            selection.flush()  # first, beside selected.pt: it never holds a round past the checkpoint's
             store.save_checkpoint(checkpoint_path, engine.state_dict())
+            selection.commit()
         if progress:
             progress(label, seed, r, rounds, last)
     internal, external = split_external(clients)
@@ -411,22 +413,30 @@ class ModelSelection:
     mean validation score (:func:`best_mean_round`), so that what is evaluated afterwards (the external-client
     ablation) can use the selected model rather than the last one.
 
-    The state is serialized in memory when a round beats the best so far and written to ``selected.pt`` just
-    before the checkpoint, so the file never holds a round the checkpoint's history has not reached. On resume
-    the best round is recomputed from the metrics the checkpoint kept; a ``selected.pt`` of another round (a stop
-    between the two writes, or a run begun before selected.pt existed) belongs to no kept history and is
-    deleted: the cell then has a selected model again only once a later round beats the kept best. With
-    ``keep=False`` (``federation.keep_selected_model: false``) nothing is written. On Flower the
+    The state is serialized in memory when a round beats the best so far, written to ``selected.pending.pt`` just
+    before the checkpoint (:meth:`flush`) and renamed to ``selected.pt`` once the checkpoint is written
+    (:meth:`commit`), so ``selected.pt`` never holds a round the checkpoint's history has not reached and a stop
+    between the writes loses neither model. On resume the best round is recomputed from the metrics the
+    checkpoint kept: a pending file of that round is promoted (the stop came after the checkpoint), one of a
+    later round is deleted (before it); a ``selected.pt`` of another round (a run begun before selected.pt
+    existed) is deleted too: the cell then has a selected model again only once a later round beats the kept
+    best. With ``keep=False`` (``federation.keep_selected_model: false``) nothing is written. On Flower the
     engine state is the server's (global model, server optimizer): clients' local state stays on their nodes."""
 
     def __init__(self, path: Path, records: list[dict], keep: bool = True):
         self.path, self.keep = path, keep
+        self.pending_path = path.with_name(path.stem + ".pending" + path.suffix)
         means = mean_scores_by_round(records, "val")
         self.best_round = best_mean_round(records, "val")
         self.best_score = means[self.best_round] if self.best_round is not None else -math.inf
         self.pending: bytes | None = None
+        if self.pending_path.exists():
+            if self.best_round is not None and self.read_round(self.pending_path) == self.best_round:
+                os.replace(self.pending_path, path)
+            else:
+                self.pending_path.unlink()
         self.saved_round = self.read_round(path) if path.exists() else None
-        if self.saved_round is not None and self.saved_round != self.best_round:
+        if path.exists() and self.saved_round != self.best_round:
             path.unlink()
             self.saved_round = None
 
@@ -449,15 +459,22 @@ class ModelSelection:
         self.pending = buffer.getvalue()
 
     def flush(self) -> None:
-        """Write the selected state kept since the last checkpoint (call just before writing the checkpoint)."""
+        """Write the selected state kept since the last checkpoint beside ``selected.pt`` (just before the
+        checkpoint is written); :meth:`commit` makes it ``selected.pt`` once the checkpoint is."""
         if self.pending is not None:
             pending = self.pending
-            store.atomic_write_bytes(self.path, lambda fh: fh.write(pending))
-            self.saved_round, self.pending = self.best_round, None
+            store.atomic_write_bytes(self.pending_path, lambda fh: fh.write(pending))
+            self.pending = None
+
+    def commit(self) -> None:
+        """The checkpoint now reaches the flushed round: it becomes ``selected.pt``."""
+        if self.pending_path.exists():
+            os.replace(self.pending_path, self.path)
+            self.saved_round = self.best_round
 
     @property
     def has_model(self) -> bool:
-        """Whether ``selected.pt`` holds the model of the selected round (after the last :meth:`flush`)."""
+        """Whether ``selected.pt`` holds the model of the selected round (after the last :meth:`commit`)."""
         return self.saved_round is not None and self.saved_round == self.best_round
 
 
