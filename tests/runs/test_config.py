@@ -216,3 +216,34 @@ def test_external_config_reaches_the_test_time_bn_settings():
     assert (bn.batch_size, bn.momentum, bn.convention, bn.reset, bn.predict, bn.shuffle_seed, bn.unbiased) == (
         16, 0.5, "pytorch", False, "after_pass", 4, True)
     assert load_config("default").external.bn().unbiased is False
+
+
+def test_fedwon_table2_and_table20_batch_sizes_are_presets_with_table9_rates():
+    """FedWon Table 2 (B = 1, 2) and Table 20 (B = 4): one preset per batch size, each fedwon_pacs's protocol with
+    only the batch size and Table 9's learning rates changed (no AGC); BatchNorm methods are absent at B = 1 and
+    refused there. The Office-Caltech-10 presets are the same on fedwon_office's data, with the paper's rows."""
+    pacs, office = load_config("fedwon_pacs"), load_config("fedwon_office")
+    table9 = {  # batch size: {method: lr}, FedWon Table 9 (left)
+        1: {"fedavg_gn": 0.001, "fedavg_ln": 0.001, "fedwon": 0.005},
+        2: {"fedavg": 0.001, "silobn": 0.001, "fixbn": 0.001, "fedbn": 0.001, "fedavg_gn": 0.001, "fedavg_ln": 0.001,
+            "fedwon": 0.01},
+        4: {"fedavg": 0.001, "silobn": 0.01, "fixbn": 0.01, "fedbn": 0.01, "fedavg_gn": 0.001, "fedavg_ln": 0.001,
+            "fedwon": 0.03},
+    }
+    paper_fedwon_avg = {1: 77.13, 2: 76.13, 4: 77.85}  # Tables 2 and 20, mean of A / C / D / W
+    for batch, suffix in ((1, "_b1"), (2, ""), (4, "_b4")):
+        on_pacs = load_config("fedwon_small_batch" + suffix)
+        on_office = load_config("fedwon_office_small_batch" + suffix)
+        for cfg, base in ((on_pacs, pacs), (on_office, office)):
+            assert cfg.training.batch_size == batch
+            assert (cfg.data, cfg.model, cfg.federation, cfg.seeds) == (base.data, base.model, base.federation,
+                                                                        base.seeds)
+            assert (cfg.training.augment, cfg.training.epochs) == (base.training.augment, base.training.epochs)
+            assert {m.name: m.lr for m in cfg.methods} == table9[batch]
+            assert all(m.agc_clip == 0 for m in cfg.methods if m.name == "fedwon")
+        assert on_office.methods == on_pacs.methods
+        assert set(on_office.paper) == {m.display for m in on_office.methods} and not on_pacs.paper
+        fedwon_row = next(row for label, row in on_office.paper.items() if label.startswith("fedwon"))
+        assert sum(fedwon_row.values()) / 4 == pytest.approx(paper_fedwon_avg[batch], abs=0.005)
+    with pytest.raises(ConfigError, match="cannot use batch_size 1"):
+        load_config("fedwon_small_batch_b1", ["methods=[{name: fedbn, lr: 0.001}]"])
