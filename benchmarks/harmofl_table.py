@@ -86,7 +86,7 @@ def main() -> None:
         print(f"| {method_dir.name} | {alpha.get(method_dir.name, float('nan')):g} | {len(stats['acc'])} | "
               f"{cell_text('acc', '{:.2f}')} | {stats['se'][0]:.2f} | {cell_text('drift_first')} | "
               f"{cell_text('drift_last')} | {cell_text('b2', '{:.3f}')} | {cell_text('pairwise')} | "
-              f"{cell_text('rise')} | {cell_text('offset', '{:.2f}')} |")
+              f"{cell_text('rise', '{:.2f}')} | {cell_text('offset', '{:.2f}')} |")
 
 
 if __name__ == "__main__":
