@@ -43,8 +43,9 @@ OPTIMIZERS = ("sgd", "adam")
 def native_bf16() -> bool:
     """True when this CPU computes bf16 natively (AMX tiles or AVX512-BF16).
 
-    Without it, PyTorch emulates bf16 autocast on the CPU, which is slower than fp32 (20-30x for
-    the digit CNN on an AVX2-only AMD EPYC, measured), so ``precision: auto`` picks fp32 there.
+    Without it, PyTorch emulates bf16 autocast on the CPU, which is slower than fp32 (15-30x for
+    the digit CNN on an AVX2-only AMD EPYC: 15-19x under load, 26-30x idle; benchmarks/performance.md),
+    so ``precision: auto`` picks fp32 there.
     This is about the CPU only; a GPU's bf16 is :func:`resolve_precision`'s other case.
     """
     probes = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
