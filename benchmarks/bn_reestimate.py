@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from fednorm.methods.external import ExternalBN, reestimate_bn_statistics
 from fednorm.runs import store
 from fednorm.runs.runner import (build_engine, build_federation_data, load_run_config, partition_record,
                                  split_external)
@@ -79,6 +80,11 @@ def subset(split, n_max, seed=0):
     return split.subset(idx)
 
 
+# The re-estimation below runs the BN layers in train mode (each layer normalizes with the batch's statistics and
+# folds them into its running ones), as local training does, so that --ema-draws replays exactly how the stored
+# statistics were made. The library's `reestimate_bn_statistics` (fednorm.methods.external, UniFed's test-time BN /
+# FedBN App. G) normalizes each batch with the tracked statistics instead (eval mode); its population estimate is
+# run as a cross-check (row "library population statistics").
 @torch.no_grad()
 def reestimate(state: dict[str, torch.Tensor], data, batch: int, momentum=None, reset=True,
                shuffle_seed=1234) -> dict[str, torch.Tensor]:
@@ -143,6 +149,19 @@ for batch, tag in variants:
     engine.local_states = new_local  # in memory only; load_client overlays them on the global state
     results[f"per_client_{tag}"] = evaluate(f"per-client re-estimated, {tag}")
     engine.local_states = {k: dict(v) for k, v in orig_local.items()}
+
+# cross-check with the library's population statistics (FedBN App. G's estimator) at the same batch size and order
+new_local = {}
+for c in train_clients:
+    engine.model.load_state_dict({**global_state, **orig_local.get(c.name, {})})
+    net = reestimate_bn_statistics(engine.model, subset(c.train, args.max_train), prepare,
+                                   ExternalBN(batch_size=args.batch, momentum=None, predict="after_pass",
+                                              shuffle_seed=1234, unbiased=True))
+    new_local[c.name] = {**orig_local.get(c.name, {}),
+                         **{k: v for k, v in net.state_dict().items() if k.endswith(("running_mean", "running_var"))}}
+engine.local_states = new_local
+results["per_client_library_population"] = evaluate(f"per-client library population statistics, b{args.batch}")
+engine.local_states = {k: dict(v) for k, v in orig_local.items()}
 
 for draw in range(args.ema_draws):
     new_local = {}
