@@ -132,6 +132,16 @@ print("max |baseline - recorded| =", max(abs(results["stored"][k] - recorded[k])
 
 global_state = engine.global_state
 orig_local = {k: dict(v) for k, v in engine.local_states.items()}
+
+
+def evaluate_with(local_states: dict, label: str) -> dict[str, float]:
+    """Score every client with ``local_states`` in place of the stored ones (in memory only: load_client overlays
+    them on the global state), then restore the stored local states."""
+    engine.local_states = local_states
+    try:
+        return evaluate(label)
+    finally:
+        engine.local_states = {k: dict(v) for k, v in orig_local.items()}
 diffs = {}
 precise = {}  # client -> its statistics re-estimated at --batch (the reference of the --ema-draws check)
 variants = [(args.batch, f"b{args.batch}"), (None, "fullbatch")] + ([(4, "b4")] if args.cumulative_b4 else [])
@@ -146,9 +156,7 @@ for batch, tag in variants:
         if tag == f"b{args.batch}":
             diffs[c.name] = stat_diff(base, new)
             precise[c.name] = new
-    engine.local_states = new_local  # in memory only; load_client overlays them on the global state
-    results[f"per_client_{tag}"] = evaluate(f"per-client re-estimated, {tag}")
-    engine.local_states = {k: dict(v) for k, v in orig_local.items()}
+    results[f"per_client_{tag}"] = evaluate_with(new_local, f"per-client re-estimated, {tag}")
 
 # cross-check with the library's population statistics (FedBN App. G's estimator) at the same batch size and order
 new_local = {}
@@ -159,9 +167,8 @@ for c in train_clients:
                                               shuffle_seed=1234, unbiased=True))
     new_local[c.name] = {**orig_local.get(c.name, {}),
                          **{k: v for k, v in net.state_dict().items() if k.endswith(("running_mean", "running_var"))}}
-engine.local_states = new_local
-results["per_client_library_population"] = evaluate(f"per-client library population statistics, b{args.batch}")
-engine.local_states = {k: dict(v) for k, v in orig_local.items()}
+results["per_client_library_population"] = evaluate_with(
+    new_local, f"per-client library population statistics, b{args.batch}")
 
 for draw in range(args.ema_draws):
     new_local = {}
@@ -171,17 +178,16 @@ for draw in range(args.ema_draws):
         if draw == 0:  # how far same-noise stats at the final weights are from the precise ones
             diffs[f"{c.name} [EMA draw0 vs precise]"] = stat_diff(new, precise[c.name])
         new_local[c.name] = {**orig_local.get(c.name, {}), **new}
-    engine.local_states = new_local
-    results[f"ema_draw{draw}"] = evaluate(f"noise check: stored-style EMA (b4, momentum 0.1, 1 epoch) draw {draw}")
-    engine.local_states = {k: dict(v) for k, v in orig_local.items()}
+    results[f"ema_draw{draw}"] = evaluate_with(
+        new_local, f"noise check: stored-style EMA (b4, momentum 0.1, 1 epoch) draw {draw}")
 
 if args.union:
     from fednorm.data.domain import Split
     union = Split.concat([subset(c.train, args.max_train) for c in train_clients])
     new = reestimate(dict(global_state), union, args.batch)
-    engine.local_states = {c.name: {**orig_local.get(c.name, {}), **new} for c in train_clients}
-    results[f"union_b{args.batch}"] = evaluate(f"union re-estimated, b{args.batch} (n={len(union)})")
-    engine.local_states = {k: dict(v) for k, v in orig_local.items()}
+    results[f"union_b{args.batch}"] = evaluate_with(
+        {c.name: {**orig_local.get(c.name, {}), **new} for c in train_clients},
+        f"union re-estimated, b{args.batch} (n={len(union)})")
     diffs["__union__"] = stat_diff(global_state, new)
 
 print("\nBN stat differences, stored vs re-estimated (b%d): per layer" % args.batch)
