@@ -416,3 +416,16 @@ def test_data_prepare_object_options(tmp_path):
     result = runner.invoke(app, ["data", "prepare", "domainnet", "--domains", "real", "--no-download",
                                  "--data-dir", str(tmp_path), "--quiet"])
     assert result.exit_code == 2 and "real.zip" in result.output.replace("\n", "")
+
+
+def test_rescore_prints_and_writes_stored_and_recomputed_bn_scores(tmp_path):
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["run", *SETS, "--set", "methods=[fedbn]", "--set", "federation.rounds=2",
+                                 "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["rescore", str(out)])
+    assert result.exit_code == 0, result.output
+    table = (out / "rescore_bn.md").read_text()
+    assert table.strip() in result.output and "| fedbn/seed0 | 2 | recomputed |" in table
+    result = runner.invoke(app, ["rescore", str(out), "--selected"])  # no validation data: no selected model
+    assert result.exit_code == 2 and "no cell has a selected.pt" in " ".join(result.output.split())

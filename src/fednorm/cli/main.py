@@ -269,6 +269,29 @@ def external_ablation(
 
 
 @app.command()
+def rescore(
+    run_dir: Path = typer.Argument(..., help="a run folder with checkpoints (written where the run ran)"),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder, if it moved since the run"),
+    selected: bool = typer.Option(False, "--selected", help="each cell's validation-selected model (selected.pt) "
+                                  "instead of its last one (checkpoint.pt)"),
+) -> None:
+    """Each cell's test scores again from its checkpoint (no training), with each client's BN statistics as
+    stored and recomputed over its training split (BN recalibration, federation.evaluation_bn); rescore_bn.md /
+    .json in the run folder."""
+    from ..runs.rescore import TABLE_FILE, markdown_table, rescore_run
+
+    try:
+        with Progress(console=err_console, transient=True) as bar:
+            task = bar.add_task("rescoring cells", total=None)
+            rows = rescore_run(run_dir, data_dir, model="selected" if selected else "final",
+                               progress=lambda done, total: bar.update(task, completed=done, total=total))
+    except (*_USER_ERRORS, ValueError) as exc:
+        _fail(exc)
+    console.print(markdown_table(rows), markup=False, highlight=False)
+    console.print(f"table: {run_dir / TABLE_FILE}", highlight=False)
+
+
+@app.command()
 def methods() -> None:
     """List the methods, one line each."""
     for name, m in PRESETS.items():

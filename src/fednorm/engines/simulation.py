@@ -27,7 +27,7 @@ from ..methods.local_update import (LocalResult, LocalTraining, batch_schedule, 
                                    train_locally)
 from ..methods.policy import local_state_keys
 from ..methods.presets import Method
-from ..methods.external import EXTERNAL_MODES, ExternalBN, bn_affine_keys, evaluate_external
+from ..methods.external import EXTERNAL_MODES, ExternalBN, bn_affine_keys, evaluate_external, fold_bn_statistics_
 from .allocator import reuse_freed_memory
 from .device import to_device
 from .client_step import ClientMemory, ClientRunner, RoundInstructions, update_input_state
@@ -62,6 +62,9 @@ class Federation:
     stateless_clients: bool = False
     rounds: int | None = None  # total rounds of the run, for methods with a phase switch (FixBN)
     threat: Threat = Threat()  # simulated Byzantine clients (robust FBN experiments); honest by default
+    # before each evaluation, recompute each client's own BN running statistics over its training split at its
+    # current weights (InProcessEngine.recompute_bn_statistics); off: the statistics as training left them
+    recompute_bn_statistics: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.fraction <= 1:
@@ -137,6 +140,7 @@ class InProcessEngine:
             raise ValueError("a method that freezes BN statistics (FixBN) needs Federation.rounds to place its switch")
         state = self.model.state_dict()
         self.shared_keys = [k for k in state if k not in self.local_keys]
+        self._bn_statistic_keys = local_state_keys(self.model, "local_bn_stats")
         # FixBN's statistics, which the server keeps exactly as they are from the switch on (see aggregate)
         self.frozen_stat_keys = (sorted(local_state_keys(self.model, "local_bn_stats") & set(self.shared_keys))
                                  if self.freeze_round is not None else [])
@@ -367,6 +371,8 @@ class InProcessEngine:
                 if not loaded or self.algorithm.adapts_at_evaluation:
                     self.load_client(client.name)
                     self.algorithm.adapt_for_evaluation(self.model, client, prepare, self.training.lr, split)
+                    if self.recomputes_bn_statistics:
+                        self.recompute_bn_statistics(client, prepare)
                     loaded = True
                 # the samples it adapted on are left out of that split's metric
                 held = self.algorithm.evaluation_holdout(client, split)
@@ -383,6 +389,29 @@ class InProcessEngine:
         if "test" in splits:
             out += self.evaluate_external(prepare)
         return out
+
+    @property
+    def recomputes_bn_statistics(self) -> bool:
+        """Whether evaluations recompute the clients' BN statistics: ``Federation.recompute_bn_statistics`` and a
+        policy that keeps the statistics on each client (FedBN, SiloBN, SingleSet, the UniFed add-on). A method
+        sharing them (FedAvg, FixBN, FBN) has no per-client statistics to recompute and is evaluated as is."""
+        return self.federation.recompute_bn_statistics and bool(self.local_keys & self._bn_statistic_keys)
+
+    @torch.no_grad()
+    def recompute_bn_statistics(self, client: ClientData, prepare) -> None:
+        """BN recalibration of the working model, which holds ``client``'s model: its running statistics become
+        the population statistics (mean, biased variance: what BN normalizes with in training) of the client's
+        training split through the evaluation input pipeline, one pass in data order, in float32. The stored
+        local state is untouched, so training goes on from the statistics training left.
+
+        Not in FedBN's or SiloBN's definition, which evaluate with the running statistics of training (the
+        default, ``recompute_bn_statistics`` off): at small batches those lag and are noisy, which cost FedBN
+        and SiloBN 7-13 points on PACS at B = 2-4 (benchmarks/fedwon.md, "BN staleness")."""
+        if len(client.train) == 0:
+            return
+        self.model.eval()
+        fold_bn_statistics_(self.model, client.train, prepare,
+                            ExternalBN(batch_size=self.federation.eval_batch_size, momentum=None))
 
     def augmented_validation(self, client: str, data: Split) -> Split:
         """``client``'s validation images through the training augmentation, with this evaluation's own draws

@@ -216,14 +216,22 @@ def reestimate_bn_statistics(model: nn.Module, data: Split, prepare: Callable[[T
     """A copy of ``model`` whose BN running statistics were re-estimated over one pass of ``data`` (in the
     order of ``bn``), in eval mode: the statistics the ``after_pass`` protocol predicts with."""
     net = copy.deepcopy(model).eval()
-    handles = _attach_trackers(net, bn, "test_time_bn")
+    fold_bn_statistics_(net, data, prepare, bn)
+    return net
+
+
+@torch.no_grad()
+def fold_bn_statistics_(model: nn.Module, data: Split, prepare: Callable[[Tensor], Tensor],
+                        bn: ExternalBN = ExternalBN()) -> None:
+    """In place: one pass of ``data`` (batches and order of ``bn``) through ``model``, already in eval mode, folding
+    each BN layer's input statistics into its running statistics (see :class:`ExternalBN`)."""
+    handles = _attach_trackers(model, bn, "test_time_bn")
     try:
         for index in batch_order(len(data), bn.batch_size, bn.shuffle_seed):
-            net(prepare(data.x[index]))
+            model(prepare(data.x[index]))
     finally:
         for h in handles:
             h.remove()
-    return net
 
 
 @torch.no_grad()

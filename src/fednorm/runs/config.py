@@ -424,6 +424,13 @@ class FederationConfig(_Strict):
         "for large linear layers (benchmarks/performance.md); resident memory stays at its peak")
     eval_batch_size: int = Field(500, ge=1, description="samples per evaluation batch (lower it for large images: "
                                  "a 384 x 384 U-Net)")
+    evaluation_bn: Literal["stored", "recomputed"] = Field(
+        "stored", description="the BN statistics a client's own model is evaluated with, for methods that keep BN "
+        "statistics on each client (FedBN, SiloBN, SingleSet, the UniFed add-on): stored = the running statistics "
+        "as training left them (the papers' protocol); recomputed = BN recalibration, a departure offered as an "
+        "option: before each evaluation, the population statistics of the client's training split at its current "
+        "weights (evaluation-only; training goes on from the stored ones). Stale small-batch statistics cost FedBN "
+        "and SiloBN 7-13 points on PACS at B = 2-4 (benchmarks/fedwon.md)")
     device: str = Field(
         "auto", pattern=DEVICE_PATTERN,
         description="where clients train: auto (the first CUDA GPU when PyTorch sees one, else the CPU), cpu, cuda, "
@@ -593,6 +600,30 @@ class ExperimentConfig(_Strict):
             raise ValueError(f"external.modes {needs_stats} re-estimate BatchNorm running statistics on the external "
                              "client, but model.bn_mode: batch keeps none (batch statistics at evaluation too); "
                              "use external.modes: [global], or model.bn_mode: running")
+
+    def _check_evaluation_bn(self) -> None:
+        """federation.evaluation_bn: recomputed needs a method whose BN statistics are per client."""
+        if self.federation.evaluation_bn != "recomputed":
+            return
+        if self.model.bn_mode == "batch":
+            raise ValueError("federation.evaluation_bn: recomputed recomputes BatchNorm running statistics, but "
+                             "model.bn_mode: batch keeps none (batch statistics at evaluation too); use "
+                             "evaluation_bn: stored, or model.bn_mode: running")
+        unaffected = []
+        for m in self.methods:
+            method = m.build()
+            local_stats = method.policy in ("local_bn", "local_bn_stats", "local_all")
+            if not (local_stats and (method.norm or self.model.norm) in BATCHNORM_KINDS):
+                unaffected.append(m.display)
+        if len(unaffected) == len(self.methods):
+            raise ValueError(f"federation.evaluation_bn: recomputed recomputes the BN statistics each client keeps, "
+                             f"but no method here keeps any ({', '.join(unaffected)}: shared statistics or no "
+                             "BatchNorm); use a method with local BN (fedbn, silobn, singleset, a local_bn add-on) "
+                             "or evaluation_bn: stored")
+        if unaffected:
+            warnings.warn(f"federation.evaluation_bn: recomputed applies to methods keeping BN statistics on each "
+                          f"client; {', '.join(unaffected)} share theirs or have no BatchNorm and are evaluated with "
+                          "their stored statistics", ConfigWarning, stacklevel=2)
 
     def _check_task(self) -> None:
         """Data, task, model and methods fit together (medical domains, segmentation, feature vectors)."""
@@ -772,6 +803,7 @@ class ExperimentConfig(_Strict):
                 except KeyError:
                     raise ValueError(f"paper_variants: {key!r} is not a config key (write it dotted, e.g. "
                                      "federation.fraction)") from None
+        self._check_evaluation_bn()
         byz = self.federation.byzantine
         if (byz.count > 0) != (byz.attack is not None):
             raise ValueError("federation.byzantine needs both a count > 0 and an attack (or neither)")

@@ -205,6 +205,7 @@ def build_engine(
         channels_last=False if features else f.channels_last_for(config.training.precision, where.type),
         reuse_freed_memory=f.reuse_freed_memory,
         eval_batch_size=f.eval_batch_size,
+        recompute_bn_statistics=f.evaluation_bn == "recomputed",
         stateless_clients=cross_device,
         rounds=f.rounds,
         threat=threat(config, clients),

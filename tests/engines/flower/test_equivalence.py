@@ -32,9 +32,11 @@ def metrics(run, config):
     ["methods=[fedbn, fedavg, silobn]", "external.domains=[rendered/street]", "federation.eval_every=1",
      "federation.rounds=2"],
     ["methods=[harmofl, fixbn]", "federation.rounds=2", "federation.eval_every=1", "data.val_fraction=0.2"],
-    # SingleSet, and UniFed's add-on on the stateful client algorithms (MOON's previous model, FedDC's drift)
+    # SingleSet, and UniFed's add-on on the stateful client algorithms (MOON's previous model, FedDC's drift),
+    # each evaluated with its BN statistics recomputed on the node's training data
     ["methods=[singleset, {name: moon, policy: local_bn, label: moon+ours}, "
-     "{name: feddc, policy: local_bn, label: feddc+ours}]", "federation.rounds=2", "federation.eval_every=1"],
+     "{name: feddc, policy: local_bn, label: feddc+ours}]", "federation.rounds=2", "federation.eval_every=1",
+     "federation.evaluation_bn=recomputed"],
     # FedProx, no-BN models, a server optimizer with client-specific BN, FixBN over several rounds after its switch
     ["methods=[fedprox, fedwon, fedavg_gn, {name: fedadam, policy: local_bn, label: fedadam+ours}, "
      "{name: fixbn, freeze_bn_stats_at: 2}]", "federation.rounds=3", "federation.eval_every=1"],
