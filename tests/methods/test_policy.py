@@ -1,7 +1,7 @@
 import pytest
 from torch import nn
 
-from fednorm.methods.policy import local_state_keys, shared_state_keys
+from fednorm.methods.policy import POLICIES, keeps_bn_state, keeps_bn_statistics, local_state_keys, shared_state_keys
 from fednorm.models import DigitCNN
 
 
@@ -56,3 +56,19 @@ def test_group_norm_model_has_no_bn_state():
     model = DigitCNN(width=0.25, norm="gn")
     assert local_state_keys(model, "local_bn") == frozenset()
     assert any(isinstance(m, nn.GroupNorm) for m in model.modules())
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_predicates_agree_with_the_keys_each_policy_keeps(policy):
+    """keeps_bn_statistics: the client keeps its own running statistics; keeps_bn_state: the policy keeps BN state
+    local and nothing else (what the config and engine checks rely on)."""
+    model = DigitCNN(width=0.125)
+    local = local_state_keys(model, policy)
+    stats = {k for k in bn_keys(model) if k.endswith(("running_mean", "running_var"))}
+    assert keeps_bn_statistics(policy) == (stats <= local)
+    assert keeps_bn_state(policy) == (bool(local) and local <= bn_keys(model))
+
+
+def test_predicates_reject_an_unknown_policy():
+    with pytest.raises(ValueError, match="unknown norm state policy"):
+        keeps_bn_statistics("local_everything")

@@ -25,7 +25,7 @@ from ..diagnostics.gradients import Dissimilarity, dissimilarity, full_gradient
 from ..methods.aggregation import client_weights
 from ..methods.local_update import (LocalResult, LocalTraining, batch_schedule, has_batchnorm, resolve_channels_last,
                                    train_locally)
-from ..methods.policy import local_state_keys
+from ..methods.policy import keeps_bn_state, local_state_keys
 from ..methods.presets import Method
 from ..methods.external import EXTERNAL_MODES, ExternalBN, bn_affine_keys, evaluate_external, fold_bn_statistics_
 from .allocator import reuse_freed_memory
@@ -173,7 +173,7 @@ class InProcessEngine:
 
     def _check_method(self, method: Method, federation: Federation) -> None:
         has_bn = has_batchnorm(self.model)
-        if method.policy in ("local_bn", "local_bn_stats") and not has_bn:
+        if keeps_bn_state(method.policy) and not has_bn:
             raise ValueError(
                 f"method {method.name!r} keeps BatchNorm state local, but the model has no BatchNorm layer "
                 "(its norm is not bn); use model.norm: bn or a method with policy 'shared'"
@@ -185,7 +185,7 @@ class InProcessEngine:
                              "cross-entropy on class labels: it supports classification only")
         # batch-statistics BN (model.bn_mode: batch, HarmoFL's code) holds no state: nothing to keep local or freeze,
         # and the method would silently run as FedAvg
-        no_state = method.policy in ("local_bn", "local_bn_stats") and not self.local_keys
+        no_state = keeps_bn_state(method.policy) and not self.local_keys
         no_stats = method.freeze_bn_stats_at is not None and not any(
             m.track_running_stats for m in self.model.modules() if isinstance(m, _BatchNorm))
         if has_bn and (no_state or no_stats):

@@ -33,6 +33,18 @@ def check_policy(policy: str) -> str:
     return policy
 
 
+def keeps_bn_state(policy: str) -> bool:
+    """Whether ``policy`` is defined by keeping BatchNorm state on each client (FedBN, SiloBN): it needs a model
+    with BatchNorm layers that hold state, or it would run as FedAvg."""
+    return check_policy(policy) in ("local_bn", "local_bn_stats")
+
+
+def keeps_bn_statistics(policy: str) -> bool:
+    """Whether each client keeps its own BatchNorm running statistics under ``policy`` (FedBN, SiloBN, and
+    SingleSet, which keeps everything), as opposed to statistics the server aggregates or shares."""
+    return keeps_bn_state(policy) or policy == "local_all"
+
+
 def local_state_keys(model: nn.Module, policy: str) -> frozenset[str]:
     """The ``state_dict`` keys that a client keeps to itself under ``policy``."""
     check_policy(policy)

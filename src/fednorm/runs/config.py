@@ -22,7 +22,7 @@ from ..engines.device import DEVICE_PATTERN, resolve_device
 from ..methods.aggregation import WEIGHTINGS
 from ..methods.augment import AUGMENTS, FLAMBY_CROP, FLAMBY_MIN_SIDE, MASK_AUGMENTS
 from ..methods.local_update import LocalTraining, native_bf16, resolve_channels_last, resolve_precision
-from ..methods.policy import POLICIES
+from ..methods.policy import POLICIES, keeps_bn_state, keeps_bn_statistics
 from ..methods.presets import PRESETS, Method, resolve_method
 from ..methods.robust import ATTACKS
 from ..methods.server import ROBUST_RULES, SERVER_OPTIMIZERS, SERVER_RULES
@@ -612,7 +612,7 @@ class ExperimentConfig(_Strict):
         unaffected = []
         for m in self.methods:
             method = m.build()
-            local_stats = method.policy in ("local_bn", "local_bn_stats", "local_all")
+            local_stats = keeps_bn_statistics(method.policy)
             if not (local_stats and (method.norm or self.model.norm) in BATCHNORM_KINDS):
                 unaffected.append(m.display)
         if len(unaffected) == len(self.methods):
@@ -769,7 +769,7 @@ class ExperimentConfig(_Strict):
                     "zero; federation.persistent_optimizer carries it over, so a_k is only an approximation "
                     "(set persistent_optimizer: false for FedNova's exact normalization)",
                     ConfigWarning, stacklevel=2)
-            if method.policy in ("local_bn", "local_bn_stats") and norm not in BATCHNORM_KINDS:
+            if keeps_bn_state(method.policy) and norm not in BATCHNORM_KINDS:
                 raise ValueError(f"method {m.display!r} keeps BatchNorm state local but its model norm is {norm!r}")
             if self.model.pretrained != "none" and norm == "ws":
                 raise ValueError(f"method {m.display!r} standardizes the convolutions' filters (norm ws), which would "
