@@ -3,6 +3,8 @@
     python benchmarks/fbn_table.py            # markdown: final and best test accuracy per method and setting
     python benchmarks/fbn_table.py --by-step benchmarks/results/fbn/fbn_mnistm-gamma0   # one setting, by step
     python benchmarks/fbn_table.py --robust 0      # robust FBN vs robust naive BN at gamma 0 (the folder suffix: 0, 0.01, 0.1, 1)
+    python benchmarks/fbn_table.py --summary <run folders>   # per method and seed: final, mean of the last 5 and
+                                                   # 10 evaluations, best (first step at it); then means over seeds
     python benchmarks/fbn_table.py --heterogeneity # the paper's Fig. 3 / Fig. 5 as a table: final accuracy against
                                                    # gamma (1 -> 0) and Dirichlet alpha, mean (sample std) over seeds
 
@@ -52,6 +54,31 @@ def by_step(run: Path) -> None:
     print("|---" * (len(steps) + 1) + "|")
     for method, curve in curves.items():
         print(f"| {method} | " + " | ".join(f"{curve[s]:.2f}" if s in curve else "" for s in steps) + " |")
+
+
+def summary(runs: list[Path]) -> None:
+    """The end-of-run numbers of fbn.md's full-protocol sections, for the seed folders of the given run folders."""
+    rows: dict[str, list[tuple[float, float, float]]] = {}
+    print("| method | seed | final (step) | mean of last 5 evaluations | mean of last 10 | best (first step) |")
+    print("|---|---|---|---|---|---|")
+    for run in runs:
+        for seed_dir in sorted(run.glob("*/seed*")):
+            curve = test_by_round(seed_dir)
+            if not curve:
+                continue
+            steps = sorted(curve)
+            best = max(curve.values())
+            last5 = statistics.mean(curve[s] for s in steps[-5:])
+            last10 = statistics.mean(curve[s] for s in steps[-10:])
+            first_best = min(s for s in steps if curve[s] == best)
+            method = seed_dir.parent.name
+            rows.setdefault(method, []).append((curve[steps[-1]], last5, last10))
+            print(f"| {method} | {seed_dir.name} | {curve[steps[-1]]:.2f} ({steps[-1]}) | {last5:.2f} | {last10:.2f} "
+                  f"| {best:.2f} ({first_best}) |")
+    print("\n| method | seeds | mean final | mean of last 5 | mean of last 10 |\n|---|---|---|---|---|")
+    for method, values in rows.items():
+        means = [statistics.mean(v[i] for v in values) for i in range(3)]
+        print(f"| {method} | {len(values)} | " + " | ".join(f"{m:.2f}" for m in means) + " |")
 
 
 ATTACKS = {"sf": "SF", "foe": "FOE", "alie": "ALIE", "alie-z1.5": "ALIE with z = 1.5 (byzfl)"}
@@ -168,6 +195,8 @@ if __name__ == "__main__":
         heterogeneity()
     elif len(sys.argv) == 3 and sys.argv[1] == "--robust":
         robust(sys.argv[2])
+    elif len(sys.argv) > 2 and sys.argv[1] == "--summary":
+        summary([Path(folder) for folder in sys.argv[2:]])
     elif len(sys.argv) > 2 and sys.argv[1] == "--by-step":
         for folder in sys.argv[2:]:
             by_step(Path(folder))
