@@ -49,13 +49,31 @@ def test_run_prints_the_per_client_table_and_report_reads_it(tmp_path):
     # one seed: the mean alone (no "(0.00)" that would read as no spread over seeds)
     assert f"| {fedbn_avg:.2f} |" in result.output and "(0.00)" not in result.output
     # a folder without a finished cell (a run still going, caught by a glob) is skipped, not fatal ...
-    (tmp_path / "going").mkdir()
-    result = runner.invoke(app, ["report", str(out), str(tmp_path / "going"), "--markdown"])
+    going = tmp_path / "going"
+    going.mkdir()
+    (going / "config.yaml").write_text((out / "config.yaml").read_text())
+    result = runner.invoke(app, ["report", str(out), str(going), "--markdown"], terminal_width=400)
     assert result.exit_code == 0, result.output
-    assert "skipped" in result.output and f"| {fedbn_avg:.2f} |" in result.output
-    # ... unless nothing is finished at all
-    result = runner.invoke(app, ["report", str(tmp_path / "going")])
-    assert result.exit_code == 2 and "no finished cell" in result.output
+    assert f"skipped {going}: no finished cell yet (`fednorm resume {going}` finishes it)" in result.output
+    assert f"| {fedbn_avg:.2f} |" in result.output
+    # ... unless nothing is finished at all; and what is not a run is not sent to `fednorm resume`
+    result = runner.invoke(app, ["report", str(going)], terminal_width=400)
+    assert result.exit_code == 2 and f"`fednorm resume {going}` finishes it" in result.output
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = runner.invoke(app, ["report", str(empty)], terminal_width=400)
+    assert result.exit_code == 2 and f"{empty} holds no run" in result.output and "resume" not in result.output
+    result = runner.invoke(app, ["report", str(tmp_path), "--markdown"], terminal_width=400)  # a folder of runs
+    assert result.exit_code == 0 and f"| {fedbn_avg:.2f} |" in result.output
+    result = runner.invoke(app, ["report", str(going.parent / "runs")], terminal_width=400)
+    assert result.exit_code == 2 and "does not exist" in result.output
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "going").mkdir()
+    (tmp_path / "runs" / "going" / "config.yaml").write_text((out / "config.yaml").read_text())
+    result = runner.invoke(app, ["report", str(tmp_path / "runs")], terminal_width=400)  # runs below, none done
+    assert result.exit_code == 2 and "none of its 1 run folder(s) has a finished cell yet" in result.output
+    result = runner.invoke(app, ["report", str(out / "fedbn" / "seed0" / "metrics.jsonl")], terminal_width=400)
+    assert result.exit_code == 2 and "metrics.jsonl is a file: give run folders" in result.output
 
 
 def test_report_sample_std_over_two_seeds(tmp_path):
@@ -260,6 +278,24 @@ def test_a_config_warning_is_one_line_naming_what_to_set_not_pydantics_file(tmp_
     assert "pydantic" not in output and "RuntimeWarning" not in output
 
 
+def test_a_divergence_names_the_way_out_that_works_not_a_resume_that_diverges_again(tmp_path):
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["run", *SETS, "--set", "methods=[fedavg]", "--set", "training.lr=1e9",
+                                 "--out", str(out), "--quiet"], terminal_width=400)
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2 and "fedavg seed 0 diverged in round" in output
+    assert "once fixed" not in output and "would diverge again" in output
+    advice = f"fednorm run {out / 'config.yaml'} --set training.lr=... --out NEW_DIR"
+    assert advice in output
+    # the advice, followed, finishes; the resume it warns about diverges again
+    fixed = runner.invoke(app, advice.replace("...", "0.01").replace("NEW_DIR", str(tmp_path / "new")).split()[1:]
+                          + ["--quiet"])
+    assert fixed.exit_code == 0, fixed.output
+    assert (tmp_path / "new" / "fedavg" / "seed0" / "summary.json").exists()
+    again = runner.invoke(app, ["resume", str(out), "--quiet"], terminal_width=400)
+    assert again.exit_code == 2 and "diverged in round" in again.output
+
+
 def test_resume_of_a_non_run_folder_fails_clearly(tmp_path):
     result = runner.invoke(app, ["resume", str(tmp_path)])
     assert result.exit_code == 2 and "not a run folder" in result.output
@@ -315,6 +351,9 @@ def test_resume_with_rounds_extends_a_finished_run_and_refuses_to_shorten_it(tmp
     result = runner.invoke(app, ["resume", str(out), "--rounds", "2", "--quiet"])
     assert result.exit_code == 0, result.output
     assert "after round 2" in result.output
+    assert "fedavg seed 0: resuming from its checkpoint at round 1 of 2" in result.output  # says where it goes on
+    again = runner.invoke(app, ["resume", str(out), "--quiet"])
+    assert again.exit_code == 0 and "fedavg seed 0: done earlier, kept" in again.output
     records = [json.loads(line) for line in (out / "fedavg" / "seed0" / "metrics.jsonl").read_text().splitlines()]
     assert sorted({r["round"] for r in records if r["split"] == "train"}) == [1, 2]
     result = runner.invoke(app, ["resume", str(out), "--rounds", "1", "--quiet"])
@@ -365,6 +404,7 @@ def test_kill_minus_9_then_resume_equals_an_uninterrupted_run(tmp_path):
     assert 1 <= killed_at < 6
     result = runner.invoke(app, ["resume", str(tmp_path / "killed"), "--quiet"])
     assert result.exit_code == 0, result.output
+    assert f"fedbn seed 0: resuming from its checkpoint at round {killed_at} of 6" in result.output
     assert torch.load(tmp_path / "killed" / "fedbn" / "seed0" / "checkpoint.pt", weights_only=False)["round"] == 6
     straight = (tmp_path / "straight" / "fedbn" / "seed0" / "metrics.jsonl").read_text()
     assert metrics.read_text() == straight

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import matplotlib.pyplot as plt
 import pytest
 
@@ -36,6 +38,22 @@ def test_one_evaluation_is_drawn_as_a_point(tmp_path, monkeypatch):
     plots.plot_comparison(tmp_path, [("fedavg", 0)])
     (fig,) = drawn
     assert all(line.get_marker() == "." for ax in fig.axes for line in ax.lines)
+
+
+def test_a_run_without_a_finite_training_loss_plots_its_scores_without_a_warning(tmp_path, monkeypatch):
+    # every cell diverged in its first round: evaluated there (recorded), no training loss
+    cell = store.cell_dir(tmp_path, "fedavg", 0)
+    cell.mkdir(parents=True)
+    store.append_metrics(cell / store.METRICS_FILE, [{"round": 1, "client": "a", "split": "test", "acc": 0.1,
+                                                      "diverged": True}])
+    drawn = []
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "No artists with labels found to put in legend"
+        plots.plot_comparison(tmp_path, [("fedavg", 0)])
+    accuracy, loss = drawn[0].axes
+    assert [t.get_text() for t in accuracy.get_legend().get_texts()] == ["fedavg"]
+    assert loss.get_legend() is None and [t.get_text() for t in loss.texts] == ["none recorded"]
 
 
 def test_many_clients_are_thin_lines_under_their_mean(tmp_path, monkeypatch):

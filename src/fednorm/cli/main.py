@@ -17,11 +17,11 @@ from rich.table import Table
 
 from ..data.domain import DataError
 from ..engines.device import DeviceError
-from ..methods.aggregation import UpdateError
+from ..methods.aggregation import DivergenceError, UpdateError
 from ..methods.presets import PRESETS
 from ..runs.config import ConfigError, ConfigWarning, load_config, preset_names
 from ..runs.store import CorruptFileError
-from ..runs.report import ResultsTable, build_table, collect_runs, read_summaries
+from ..runs.report import ResultsTable, build_table, collect_runs, no_finished_cell, read_summaries
 from ..runs.runner import (RunError, load_run_config, resolved_hardware, resume_run, start_run,
                            with_device)
 
@@ -58,8 +58,16 @@ def _fail(exc: Exception, run_dir: Path | None = None) -> None:
     # the message is plain text: escaped, so that a "[global]" in it is printed, not read as a style tag
     err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True, markup=True)
     if run_dir is not None and (run_dir / "config.yaml").exists():
-        err_console.print(f"what finished is kept in {run_dir}; once fixed, `fednorm resume {run_dir}` goes on",
-                          highlight=False, soft_wrap=True)
+        if isinstance(exc, DivergenceError):
+            # resume goes on with the run's own config: the same settings diverge again at the same round
+            err_console.print(
+                f"what finished is kept in {run_dir}. `fednorm resume` goes on with the run's own config, so it "
+                f"would diverge again: for a lower learning rate (training.lr, or a method's own lr) start a new run "
+                f"from that config, e.g. `fednorm run {run_dir / 'config.yaml'} --set training.lr=... --out NEW_DIR`",
+                highlight=False, soft_wrap=True)
+        else:
+            err_console.print(f"what finished is kept in {run_dir}; once fixed, `fednorm resume {run_dir}` goes on",
+                              highlight=False, soft_wrap=True)
     raise typer.Exit(code=2)
 
 
@@ -99,6 +107,10 @@ class _Progress:
 
     def __call__(self, label: str, seed: int, rnd: int, rounds: int, last: dict) -> None:
         key = (label, seed)
+        if key not in self.done and rnd > 0:  # a cell's first call: where a resumed run picks it up
+            state = ("done earlier, kept (its summary.json)" if rnd >= rounds  # finished, or recorded as diverged
+                     else f"resuming from its checkpoint at round {rnd} of {rounds}")
+            self.bar.console.print(f"{label} seed {seed}: {state}", highlight=False)
         advance = max(0, rnd - self.done.get(key, 0))
         self.done[key] = max(rnd, self.done.get(key, 0))
         info = " ".join(f"{k}={v:.3f}" for k, v in last.items())
@@ -199,10 +211,9 @@ def report(
     except (RunError, ConfigError, CorruptFileError) as exc:
         _fail(exc)
     if not found.summaries:
-        _fail(RunError(f"{', '.join(map(str, found.unfinished))}: no finished cell (no summary.json); "
-                       f"finish a run with `fednorm resume DIR`"))
+        _fail(RunError("; ".join(no_finished_cell(d) for d in found.unfinished)))
     for d in found.unfinished:
-        found.notes.append(f"skipped {d}: no finished cell yet (`fednorm resume {d}` finishes it)")
+        found.notes.append(f"skipped {no_finished_cell(d)}")
     metric = "selected_acc" if selected else "best_mean_acc" if best else "final_acc"
     table = build_table(found.summaries, paper=found.paper or None, metric=metric,
                         paper_source="; ".join(found.paper_sources) or None, ddof=int(sample_std))

@@ -124,7 +124,10 @@ def plot_comparison(run_dir: Path, cells: list[tuple[str, int]]) -> None:
         ax.set_xlabel("round")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        ax.legend()
+        if curves[kind]:
+            ax.legend()
+        else:  # e.g. every cell diverged in its first round: test scores were recorded, no finite training loss
+            ax.text(0.5, 0.5, "none recorded", ha="center", va="center", transform=ax.transAxes)
     save_figure(fig, Path(run_dir) / "comparison.png")
 
 

@@ -230,6 +230,25 @@ def read_summaries(run_dir: Path) -> list[dict]:
     return [summary for _, summary in read_cells(run_dir)]
 
 
+def no_finished_cell(path: Path) -> str:
+    """Why ``path`` gave a report no finished cell, and what to do: a run (or a cell of one) still going, runs
+    below it none of which finished, or no run at all (a file, or a folder `fednorm run` did not write)."""
+    from .runner import find_run_folder
+
+    path = Path(path)
+    if path.is_file():
+        return f"{path} is a file: give run folders (the --out of `fednorm run`) or cell folders in them"
+    run = find_run_folder(path)
+    if run is not None:
+        return f"{path}: no finished cell yet (`fednorm resume {run}` finishes it)"
+    runs = sorted({p.parent for p in path.glob(f"**/{store.CONFIG_FILE}")})
+    if runs:
+        return (f"{path}: none of its {len(runs)} run folder(s) has a finished cell yet (`fednorm resume RUN` "
+                f"finishes one, e.g. `fednorm resume {runs[0]}`)")
+    return (f"{path} holds no run (no {store.CONFIG_FILE} in it, above it or below it): give run folders written by "
+            "`fednorm run --out`")
+
+
 @dataclass
 class Collected:
     """The finished cells of several folders, each (method, seed) once, and what a reader must know about them."""
