@@ -36,6 +36,10 @@ def test_run_prints_the_per_client_table_and_report_reads_it(tmp_path):
     result = runner.invoke(app, ["run", *SETS, *paper, "--set", "federation.rounds=2", "--out", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
     assert "fedbn" in result.output and "rendered/neon" in result.output and "rendered stand-in" in result.output
+    # under the preset's description, what this run changed of it
+    header = " ".join(result.output.split("training on")[0].split())
+    assert "changed here: data.domains=[rendered/print, rendered/neon]," in header
+    assert header.endswith("federation.rounds=2")
     # where it trained, `auto` resolved, as run.json records it
     info = json.loads((out / "run.json").read_text())
     layout = "channels_last" if info["channels_last"] else "NCHW"

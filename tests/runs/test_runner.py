@@ -551,8 +551,44 @@ def test_a_checkpoint_of_another_model_is_named_on_resume(tmp_path):
         start_run(cfg, tmp_path / "run", progress=stop_after(2))
     text = (tmp_path / "run" / "config.yaml").read_text()
     (tmp_path / "run" / "config.yaml").write_text(text.replace("width: 0.125", "width: 0.25"))
+    # a run written before run.json recorded its config's fingerprint: the edit reaches the checkpoint's check
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    del info["config_fingerprint"]
+    (tmp_path / "run" / "run.json").write_text(json.dumps(info))
     with pytest.raises(RunError, match=r"fedbn/seed0/checkpoint.pt does not fit the model .* delete the checkpoint"):
         resume_run(tmp_path / "run")
+
+
+def test_a_config_edited_by_hand_is_refused_on_resume_naming_the_settings_and_the_way_on(tmp_path):
+    """A run's checkpoints were trained with its config: going on with an edited learning rate would give a curve
+    of neither config. The texts of the preset and where the run runs may change; every setting training uses not."""
+    import yaml
+
+    from fednorm.runs.runner import config_fingerprint
+
+    run = tmp_path / "run"
+    with pytest.raises(Stop):
+        start_run(tiny_config("methods=[fedbn]"), run, progress=stop_after(2))
+    original = (run / "config.yaml").read_text()
+    saved = yaml.safe_load(original)
+    assert json.loads((run / "run.json").read_text())["config_fingerprint"] == config_fingerprint(load_run_config(run))
+    edited = saved | {"training": saved["training"] | {"lr": saved["training"]["lr"] * 10},
+                      "seeds": [0, 1], "description": "renamed"}
+    (run / "config.yaml").write_text(yaml.safe_dump(edited))
+    with pytest.raises(RunError, match=r"config.yaml was edited since the run wrote it: seeds, training.lr differ"
+                                       r".*fednorm run .*run/config.yaml --out NEW_DIR") as err:
+        resume_run(run)
+    assert "description" not in str(err.value).split("differ")[0]
+    assert torch.load(run / "fedbn" / "seed0" / "checkpoint.pt", weights_only=False)["round"] == 2  # kept as it was
+    # the advice works: a new run from the edited config trains with the new learning rate
+    fresh = start_run(load_config(str(run / "config.yaml")), tmp_path / "new")
+    assert [(r.seed, r.summary["rounds"]) for r in fresh] == [(0, 4), (1, 4)]
+    assert load_run_config(tmp_path / "new").training.lr == edited["training"]["lr"]
+    # a new description, and the device the run trains on, are no training settings: the resume goes on
+    (run / "config.yaml").write_text(yaml.safe_dump(
+        saved | {"description": "renamed", "federation": saved["federation"] | {"device": "cpu"}}))
+    [result] = resume_run(run)
+    assert result.summary["rounds"] == 4
 
 
 @pytest.mark.parametrize("overrides, message", [

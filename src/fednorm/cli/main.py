@@ -146,6 +146,8 @@ def run(
         cfg = load_config(config, set_)
         run_dir = out or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         console.print(f"[bold]{cfg.name}[/]: {cfg.description or ''}", highlight=False)
+        if set_:  # the description is the preset's: say what this run changed (data.domains, rounds, ...)
+            console.print(f"changed here: {', '.join(set_)}", highlight=False, markup=False)
         console.print(f"[dim]{_hardware_line(cfg)}; run folder {run_dir}[/]", highlight=False)
         progress = _Progress(cfg.federation.rounds * len(cfg.methods) * len(cfg.seeds), quiet)
         with progress.bar:

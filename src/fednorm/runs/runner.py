@@ -546,13 +546,61 @@ def resolved_hardware(config: ExperimentConfig) -> dict:
     }
 
 
+# what a resume may change in config.yaml without touching training: where it runs and what a divergence does
+# (`fednorm resume --device / --data-dir / --on-divergence`), and the texts that describe the preset
+_CONFIG_EDITS_ALLOWED = {"name", "description", "paper", "paper_source", "paper_variants",
+                         "federation.device", "federation.on_divergence", "data.data_dir"}
+
+
+def config_fingerprint(config: ExperimentConfig) -> dict[str, str]:
+    """A short sha256 of every setting of ``config`` that training depends on, keyed by its dotted name
+    (``training.lr``, ``methods``): recorded in run.json, so a resume tells which settings of config.yaml were
+    edited since the run wrote it."""
+    out = {}
+    for key, value in config.model_dump(mode="json").items():
+        items = value.items() if isinstance(value, dict) else [(None, value)]
+        for sub, v in items:
+            name = f"{key}.{sub}" if sub is not None else key
+            if name not in _CONFIG_EDITS_ALLOWED and key not in _CONFIG_EDITS_ALLOWED:
+                out[name] = hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:16]
+    return out
+
+
+def check_config_unchanged(run_dir: Path, config: ExperimentConfig) -> None:
+    """Refuse to resume a run whose config.yaml was edited (by hand) in a setting training depends on: its
+    checkpoints were trained with the config it started with, and going on with another would give results of
+    neither. Runs written before the fingerprint existed are not checked."""
+    info_path = Path(run_dir) / RUN_INFO_FILE
+    recorded = json.loads(info_path.read_text()).get("config_fingerprint") if info_path.exists() else None
+    if not recorded:
+        return
+    now = config_fingerprint(config)
+    changed = sorted(k for k in recorded.keys() | now.keys() if recorded.get(k) != now.get(k))
+    if changed:
+        raise RunError(
+            f"{Path(run_dir) / store.CONFIG_FILE} was edited since the run wrote it: {', '.join(changed)} "
+            "differ(s) from the settings its checkpoints were trained with, so going on would give results of "
+            "neither config. Undo the edit to resume, or start a new run from the edited config: "
+            f"`fednorm run {Path(run_dir) / store.CONFIG_FILE} --out NEW_DIR`. A resume itself changes the "
+            "rounds (--rounds), the device (--device), the data folder (--data-dir) and on_divergence "
+            "(--on-divergence)")
+
+
 def _write_config(run_dir: Path, config: ExperimentConfig) -> None:
-    """The run's resolved config.yaml, written atomically (start, ``--rounds``, ``--on-divergence``)."""
+    """The run's resolved config.yaml, written atomically (start, ``--rounds``, ``--on-divergence``), and its
+    fingerprint in run.json (see :func:`check_config_unchanged`)."""
     store.write_text(run_dir / store.CONFIG_FILE, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    _update_run_info(run_dir, {"config_fingerprint": config_fingerprint(config)})
+
+
+def _update_run_info(run_dir: Path, entries: dict) -> None:
+    info_path = run_dir / RUN_INFO_FILE
+    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    store.write_json(info_path, info | entries)
 
 
 def _write_run_info(run_dir: Path, data_dir: Path | None, config: ExperimentConfig) -> None:
-    store.write_json(run_dir / RUN_INFO_FILE, {
+    _update_run_info(run_dir, {
         "run_id": uuid.uuid4().hex,  # tells this run's state apart from another run's of the same config (Flower nodes)
         "data_dir": str(data_dir) if data_dir else None,
         "fednorm_version": __import__("fednorm").__version__,
@@ -751,6 +799,7 @@ def resume_run(run_dir: Path, data_dir: str | None = None, progress: ProgressFn 
 def _resume_locked(run_dir: Path, data_dir: str | None, progress: ProgressFn | None, device: str | None,
                    rounds: int | None, on_divergence: str | None) -> list[CellResult]:
     config = load_run_config(run_dir)
+    check_config_unchanged(run_dir, config)
     if rounds is not None and rounds != config.federation.rounds:
         config = extend_rounds(run_dir, config, rounds)
     if on_divergence is not None and on_divergence != config.federation.on_divergence:
@@ -793,8 +842,7 @@ def extend_rounds(run_dir: Path, config: ExperimentConfig, rounds: int) -> Exper
     _write_config(run_dir, extended)
     info_path = run_dir / RUN_INFO_FILE
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
-    info.setdefault("extended", []).append({"from": old, "to": rounds})
-    store.write_json(info_path, info)
+    _update_run_info(run_dir, {"extended": [*info.get("extended", []), {"from": old, "to": rounds}]})
     return extended
 
 

@@ -109,6 +109,20 @@ def test_resume_without_node_state_is_refused_for_a_method_with_client_state(tmp
         run_flower(other, tmp_path / "flower", None, resume=True)
 
 
+def test_a_flower_resume_of_a_run_whose_config_was_edited_by_hand_is_refused(tmp_path):
+    """`fednorm flower ... --resume` reads config.yaml from the run folder, so an edit there reaches both sides of
+    the "another experiment" check: the fingerprint run.json recorded at the start catches it."""
+    import yaml
+
+    config = tiny_config("methods=[fedavg]", "federation.rounds=4", "federation.checkpoint_every=2")
+    with pytest.raises(Stop):
+        run_flower(config, tmp_path / "flower", None, stop_at(3))
+    edited = config.model_copy(update={"training": config.training.model_copy(update={"lr": 0.5})})
+    (tmp_path / "flower" / "config.yaml").write_text(yaml.safe_dump(edited.model_dump(mode="json")))
+    with pytest.raises(RunError, match=r"config.yaml was edited since the run wrote it: training.lr differ"):
+        run_flower(edited, tmp_path / "flower", None, resume=True)
+
+
 def test_resume_commands_read_the_config_from_the_run_folder_and_refuse_a_missing_run(tmp_path):
     from typer.testing import CliRunner
 
