@@ -559,6 +559,43 @@ def test_a_checkpoint_of_another_model_is_named_on_resume(tmp_path):
         resume_run(tmp_path / "run")
 
 
+def test_a_setting_a_later_fednorm_added_and_an_extension_cut_off_by_a_kill_are_no_edits(tmp_path, monkeypatch):
+    """The fingerprint guard must not refuse a run nobody edited: a setting a later version added (its default
+    filled in on loading), or `--rounds` killed between writing config.yaml and run.json."""
+    from fednorm.runs import runner
+
+    run = tmp_path / "run"
+    start_run(tiny_config("methods=[fedavg]", "federation.rounds=2"), run)
+    info = json.loads((run / "run.json").read_text())
+    del info["config_fingerprint"]["federation.keep_selected_model"]  # as if started before that setting existed
+    (run / "run.json").write_text(json.dumps(info))
+    assert resume_run(run, rounds=3)[0].summary["rounds"] == 3
+    real_write_json, real_write_text = store.write_json, store.write_text
+    for cut in ("before config.yaml", "after config.yaml"):
+        def write_text(path, text, cut=cut):
+            if cut == "before config.yaml":
+                raise KeyboardInterrupt  # killed before config.yaml was replaced
+            real_write_text(path, text)
+
+        def write_json(path, data, cut=cut):
+            if cut == "after config.yaml" and "config_fingerprint_before" not in data:
+                raise KeyboardInterrupt  # killed after config.yaml, before run.json dropped the old fingerprint
+            real_write_json(path, data)
+
+        rounds_before = load_run_config(run).federation.rounds
+        monkeypatch.setattr(runner.store, "write_text", write_text)
+        monkeypatch.setattr(runner.store, "write_json", write_json)
+        with pytest.raises(KeyboardInterrupt):
+            resume_run(run, rounds=rounds_before + 1)
+        monkeypatch.undo()
+        on_disk = load_run_config(run).federation.rounds
+        assert on_disk == (rounds_before if cut == "before config.yaml" else rounds_before + 1)
+        # a plain resume goes on with the config on disk, and the extension can be given again
+        assert resume_run(run)[0].summary["rounds"] == on_disk
+        assert resume_run(run, rounds=on_disk + 1)[0].summary["rounds"] == on_disk + 1
+        assert "config_fingerprint_before" not in json.loads((run / "run.json").read_text())
+
+
 def test_a_config_edited_by_hand_is_refused_on_resume_naming_the_settings_and_the_way_on(tmp_path):
     """A run's checkpoints were trained with its config: going on with an edited learning rate would give a curve
     of neither config. The texts of the preset and where the run runs may change; every setting training uses not."""

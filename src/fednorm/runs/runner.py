@@ -566,47 +566,67 @@ def config_fingerprint(config: ExperimentConfig) -> dict[str, str]:
     return out
 
 
-def check_config_unchanged(run_dir: Path, config: ExperimentConfig) -> None:
+def check_config_unchanged(run_dir: Path, config: ExperimentConfig, engine: str = "in-process") -> None:
     """Refuse to resume a run whose config.yaml was edited (by hand) in a setting training depends on: its
     checkpoints were trained with the config it started with, and going on with another would give results of
-    neither. Runs written before the fingerprint existed are not checked."""
+    neither. Only the recorded settings are compared: a setting a later fednorm added (its default filled in on
+    loading) is no edit. Runs written before the fingerprint existed are not checked. ``engine`` (in-process or
+    flower) picks the commands the message gives."""
     info_path = Path(run_dir) / RUN_INFO_FILE
-    recorded = json.loads(info_path.read_text()).get("config_fingerprint") if info_path.exists() else None
+    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    recorded = info.get("config_fingerprint")
     if not recorded:
         return
     now = config_fingerprint(config)
-    changed = sorted(k for k in recorded.keys() | now.keys() if recorded.get(k) != now.get(k))
-    if changed:
-        raise RunError(
-            f"{Path(run_dir) / store.CONFIG_FILE} was edited since the run wrote it: {', '.join(changed)} "
-            "differ(s) from the settings its checkpoints were trained with, so going on would give results of "
-            "neither config. Undo the edit to resume, or start a new run from the edited config: "
-            f"`fednorm run {Path(run_dir) / store.CONFIG_FILE} --out NEW_DIR`. A resume itself changes the "
-            "rounds (--rounds), the device (--device), the data folder (--data-dir) and on_divergence "
-            "(--on-divergence)")
+    # a write of config.yaml cut off by a kill leaves the fingerprint it replaces beside the new one (_write_config)
+    accepted = [recorded, *([info["config_fingerprint_before"]] if info.get("config_fingerprint_before") else [])]
+    changes = [sorted(k for k in fp if fp[k] != now.get(k)) for fp in accepted]
+    if any(not c for c in changes):
+        return
+    path = Path(run_dir) / store.CONFIG_FILE
+    if engine == "flower":
+        restart = f"`fednorm flower sim {path} --out NEW_DIR` (or `fednorm flower app APP_DIR {path} --out NEW_DIR`)"
+        flags = "a Flower resume goes on with the config the run started with"
+    else:
+        data_dir = info.get("data_dir") if not config.data.data_dir else None
+        restart = f"`fednorm run {path} --out NEW_DIR" + (f" --data-dir {data_dir}`" if data_dir else "`")
+        flags = ("a resume itself changes the rounds (--rounds), the device (--device), the data folder (--data-dir) "
+                 "and on_divergence (--on-divergence)")
+    raise RunError(f"{path} was edited since the run wrote it: {', '.join(changes[0])} differ(s) from the settings "
+                   "its checkpoints were trained with, so going on would give results of neither config. Undo the "
+                   f"edit to resume, or start a new run from the edited config: {restart}; {flags}")
 
 
 def _write_config(run_dir: Path, config: ExperimentConfig) -> None:
     """The run's resolved config.yaml, written atomically (start, ``--rounds``, ``--on-divergence``), and its
-    fingerprint in run.json (see :func:`check_config_unchanged`)."""
+    fingerprint in run.json (see :func:`check_config_unchanged`). In three steps, so that a kill between any two
+    leaves a run.json that accepts the config.yaml on disk: the new fingerprint beside the old one, config.yaml,
+    the new fingerprint alone."""
+    new = config_fingerprint(config)
+    info_path = run_dir / RUN_INFO_FILE
+    old = json.loads(info_path.read_text()).get("config_fingerprint") if info_path.exists() else None
+    if old and old != new:
+        _update_run_info(run_dir, {"config_fingerprint": new, "config_fingerprint_before": old})
     store.write_text(run_dir / store.CONFIG_FILE, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
-    _update_run_info(run_dir, {"config_fingerprint": config_fingerprint(config)})
+    _update_run_info(run_dir, {"config_fingerprint": new}, drop=("config_fingerprint_before",))
 
 
-def _update_run_info(run_dir: Path, entries: dict) -> None:
+def _update_run_info(run_dir: Path, entries: dict, drop: tuple[str, ...] = ()) -> None:
     info_path = run_dir / RUN_INFO_FILE
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
-    store.write_json(info_path, info | entries)
+    store.write_json(info_path, {k: v for k, v in info.items() if k not in drop} | entries)
 
 
 def _write_run_info(run_dir: Path, data_dir: Path | None, config: ExperimentConfig) -> None:
-    _update_run_info(run_dir, {
+    """run.json of a new run, written whole (a folder whose earlier run lost its config.yaml keeps nothing of it)."""
+    store.write_json(run_dir / RUN_INFO_FILE, {
         "run_id": uuid.uuid4().hex,  # tells this run's state apart from another run's of the same config (Flower nodes)
         "data_dir": str(data_dir) if data_dir else None,
         "fednorm_version": __import__("fednorm").__version__,
         **resolved_hardware(config),
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "config_fingerprint": config_fingerprint(config),
     })
 
 

@@ -601,7 +601,7 @@ def run_experiment(grid, settings: ServerSettings, progress=None) -> list[CellRe
     run_dir = Path(settings.out)
     if settings.resume:
         saved = load_run_config(run_dir)  # a clear error when there is no run to resume
-        check_config_unchanged(run_dir, saved)
+        check_config_unchanged(run_dir, saved, engine="flower")
         if saved.model_dump(mode="json") != config.model_dump(mode="json"):
             raise RunError(f"{run_dir} holds a run of another experiment than the one to resume; resume it with the "
                            "config it was started with (`fednorm flower ... --resume` reads it from the run folder)")
