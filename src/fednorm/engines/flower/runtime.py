@@ -173,7 +173,7 @@ class LocalDeployment:
         self.processes[name] = proc
         return proc
 
-    def start(self, timeout: float = 60.0) -> "LocalDeployment":
+    def start(self, timeout: float = 180.0) -> "LocalDeployment":
         """Start the SuperLink, write the connection ``local`` into FLWR_HOME, register node keys, start the nodes."""
         self.port = self.port or free_port()
         argv = [_bin("flower-superlink"), *self._security(True), "--port", str(self.port),
@@ -215,7 +215,8 @@ class LocalDeployment:
                 if s.connect_ex(("127.0.0.1", port)) == 0:
                     return
             time.sleep(0.2)
-        raise RunError(f"the SuperLink did not open port {port} within {timeout} s")
+        raise RunError(f"the SuperLink did not open port {port} within {timeout:.0f} s; its log "
+                       f"{self.workdir / 'superlink.log'} shows how far it got (a busy machine starts it slowly)")
 
     def flwr(self, args: list[str], timeout: float | None = None, log: str = "flwr") -> subprocess.CompletedProcess:
         """Run a ``flwr`` command with this deployment's FLWR_HOME; its output goes to ``workdir/<log>.log``."""
