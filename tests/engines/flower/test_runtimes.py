@@ -128,3 +128,20 @@ def test_deployment_with_tls_and_node_authentication(tmp_path):
     assert "https://" in (tmp_path / "work" / "superlink.log").read_text()
     info = json.loads((tmp_path / "flower" / "flower.json").read_text())
     assert len(info["nodes"]) == 2  # the intruder never joined
+
+
+def test_a_deployment_whose_start_fails_leaves_no_superlink_running(tmp_path, monkeypatch):
+    """`with LocalDeployment(...)` whose start raises (here: the SuperLink's port never opens) must stop what it
+    started: __exit__ does not run when __enter__ raises, and a SuperLink left behind holds its port and a core."""
+    from fednorm.runs.runner import RunError
+
+    def never_opens(self, port, timeout):
+        raise RunError(f"the SuperLink did not open port {port}")
+
+    monkeypatch.setattr(LocalDeployment, "_wait_for_port", never_opens)
+    deployment = LocalDeployment(tmp_path / "work", [])
+    with pytest.raises(RunError, match="did not open port"):
+        with deployment:
+            pass
+    superlink = deployment.processes["superlink"]
+    assert superlink.wait(timeout=30) is not None  # killed, not left running

@@ -261,7 +261,11 @@ class LocalDeployment:
                 pass
 
     def __enter__(self) -> "LocalDeployment":
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # a start that fails half-way (SuperLink slow or gone, a node key refused) leaves no
+            self.stop()        # process behind: __exit__ does not run when __enter__ raises
+            raise
 
     def __exit__(self, *exc) -> None:
         self.stop()
