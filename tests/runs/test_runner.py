@@ -621,9 +621,11 @@ def test_a_config_edited_by_hand_is_refused_on_resume_naming_the_settings_and_th
     fresh = start_run(load_config(str(run / "config.yaml")), tmp_path / "new")
     assert [(r.seed, r.summary["rounds"]) for r in fresh] == [(0, 4), (1, 4)]
     assert load_run_config(tmp_path / "new").training.lr == edited["training"]["lr"]
-    # a new description, and the device the run trains on, are no training settings: the resume goes on
+    # a new description, the device the run trains on and where its memory comes from are no training settings:
+    # the resume goes on
     (run / "config.yaml").write_text(yaml.safe_dump(
-        saved | {"description": "renamed", "federation": saved["federation"] | {"device": "cpu"}}))
+        saved | {"description": "renamed", "federation": saved["federation"] | {
+            "device": "cpu", "reuse_freed_memory": not saved["federation"]["reuse_freed_memory"]}}))
     [result] = resume_run(run)
     assert result.summary["rounds"] == 4
 

@@ -547,9 +547,12 @@ def resolved_hardware(config: ExperimentConfig) -> dict:
 
 
 # what a resume may change in config.yaml without touching training: where it runs and what a divergence does
-# (`fednorm resume --device / --data-dir / --on-divergence`), and the texts that describe the preset
+# (`fednorm resume --device / --data-dir / --on-divergence`), where its memory comes from (reuse_freed_memory: same
+# results, tests/runs/test_runner.py), and the texts that describe the preset. channels_last stays a training
+# setting: it changes the float rounding of convolutions, so a curve resumed with the other layout is of neither.
 _CONFIG_EDITS_ALLOWED = {"name", "description", "paper", "paper_source", "paper_variants",
-                         "federation.device", "federation.on_divergence", "data.data_dir"}
+                         "federation.device", "federation.on_divergence", "federation.reuse_freed_memory",
+                         "data.data_dir"}
 
 
 def config_fingerprint(config: ExperimentConfig) -> dict[str, str]:
