@@ -148,7 +148,8 @@ def landscape_of_cell(run_dir: Path, label: str | None = None, seed: int | None 
     """Draw the landscape of one cell of a run folder from its last checkpoint (``fednorm landscape``); returns
     the PNG written into the cell folder (``landscape.png``, or ``landscape-span<s>.png`` for another span)."""
     from ..runs import store
-    from ..runs.runner import RunError, build_engine, build_federation_data, load_run_config, run_data_dir
+    from ..runs.runner import (RunError, build_engine, build_federation_data, load_cell_state, load_run_config,
+                               run_data_dir)
 
     run_dir = Path(run_dir)
     config = load_run_config(run_dir)
@@ -164,7 +165,7 @@ def landscape_of_cell(run_dir: Path, label: str | None = None, seed: int | None 
         raise RunError(f"{cell} has no checkpoint: run or resume the cell first (`fednorm resume {run_dir}`)")
     engine = build_engine(config, method_cfg, seed,
                           build_federation_data(config, run_data_dir(run_dir, config, data_dir)))
-    engine.load_state_dict(store.load_checkpoint(checkpoint))
+    load_cell_state(engine, checkpoint, "landscape", client_state=True)  # each client's loss with its own BN
     result = landscape(engine, span=span, points=points, samples=samples, seed=seed)
     suffix = "" if span == 1.0 else f"-span{span:g}"
     (cell / f"landscape{suffix}.json").write_text(store.dumps(result))

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import store
-from .runner import RunError, build_engine, build_federation_data, load_run_config, load_selected, run_data_dir
+from .runner import RunError, build_engine, build_federation_data, load_cell_state, load_run_config, run_data_dir
 from .unifed_ablation import model_file
 
 RESULT_FILE = "rescore_bn.json"
@@ -44,7 +44,7 @@ def rescore_run(run_dir: Path, data_dir: str | None = None, model: str = "final"
     for done, (method_cfg, seed) in enumerate(cells):
         engine = build_engine(config, method_cfg, seed, clients)
         path = store.cell_dir(run_dir, method_cfg.display, seed) / state_file
-        engine.load_state_dict(store.load_checkpoint(path) if model == "final" else load_selected(path))
+        load_cell_state(engine, path, "rescore", client_state=True)  # each internal client with its own BN
         row: dict = {"method": method_cfg.display, "seed": seed, "round": engine.round}
         for statistics in STATISTICS:
             engine.federation = replace(engine.federation, recompute_bn_statistics=statistics == "recomputed")

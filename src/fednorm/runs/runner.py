@@ -484,6 +484,25 @@ def load_selected(path: Path) -> dict:
     return store.load_checkpoint(path)["state"]
 
 
+def load_cell_state(engine, path: Path, command: str, client_state: bool) -> None:
+    """Load a cell's ``checkpoint.pt`` or ``selected.pt`` (by its name) into an in-process ``engine`` for an offline
+    command (``fednorm rescore``, ``landscape``, ``external-ablation``). ``client_state``: whether the command
+    evaluates with the clients' local state (each client's BN layers under FedBN / SiloBN / a local_bn add-on). A
+    Flower run's files hold the server's state only, the clients' local state stays on their nodes: such a command
+    refuses them rather than evaluate the clients with the global model's BN entries (numbers of no model)."""
+    path = Path(path)
+    state = load_selected(path) if path.name == store.SELECTED_FILE else store.load_checkpoint(path)
+    if client_state and state.get("engine") == "flower" and state.get("local_keys"):
+        run_dir = path.parent.parent.parent
+        raise RunError(
+            f"{path} is from a Flower run: it holds the server's state only, and the clients of {path.parent.parent.name!r} "
+            f"keep their own BN state ({len(state['local_keys'])} entries: {', '.join(state['local_keys'][:3])}, ...) on "
+            f"their nodes, which `fednorm {command}` needs to evaluate them. For this command, run the experiment on "
+            f"the in-process engine: `fednorm run {run_dir / store.CONFIG_FILE} --out NEW_DIR`; the nodes' own "
+            "evaluations are in the run's metrics.jsonl")
+    engine.load_state_dict(state)
+
+
 def scores_at_best_mean_round(per_client: list[dict], records: list[dict], split: str, prefix: str,
                              among: set[str] | None = None) -> None:
     """Record in each client's test entry ``<prefix>_acc`` and ``<prefix>_round``: its test score at the round

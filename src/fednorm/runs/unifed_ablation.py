@@ -34,7 +34,7 @@ from ..methods.external import (
     ABLATION_MOMENTA, ABLATION_ORDERS, ABLATION_TEST_BATCH_SIZES, DEFAULT_MOMENTUM, DEFAULT_TEST_BATCH_SIZE, ExternalBN,
 )
 from . import store
-from .runner import (RunError, build_engine, build_federation_data, load_run_config, load_selected, run_data_dir,
+from .runner import (RunError, build_engine, build_federation_data, load_cell_state, load_run_config, run_data_dir,
                      split_external)
 
 ROWS_FILE = "unifed_ablation.json"
@@ -114,7 +114,9 @@ def iter_ablation(
     for method_cfg, seed, rows_left in missing:
         engine = build_engine(config, method_cfg, seed, clients)
         path = store.cell_dir(run_dir, method_cfg.display, seed) / state_file
-        engine.load_state_dict(store.load_checkpoint(path) if model == "final" else load_selected(path))
+        # the global model and test-time statistics need the server's state only; FedBN App. G's row averages the
+        # internal clients' own BN affine parameters where the method keeps them local
+        load_cell_state(engine, path, "external-ablation", client_state=engine.bn_affine_is_local)
         prepare = engine.runner.evaluation_prepare(engine.input_state)
         label = f"{method_cfg.display}/seed{seed}"
         rows: list[Row] = []
