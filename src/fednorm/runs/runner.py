@@ -588,6 +588,31 @@ def config_fingerprint(config: ExperimentConfig) -> dict[str, str]:
     return out
 
 
+def check_engine(run_dir: Path, engine: str) -> None:
+    """Refuse to resume with ``engine`` (in-process or flower) a run another engine trained: a Flower run's clients
+    keep their state (FedBN's BN layers, SCAFFOLD's control variates) and data on their nodes, and its checkpoints
+    hold the server's state only, so the in-process engine would go on with clients it never had; an in-process
+    run's nodes would have none of its clients' state. Runs begun before run.json named the engine: a Flower run
+    is known by its flower.json (written when it finished) or its checkpoints (marked "engine": "flower")."""
+    run_dir = Path(run_dir)
+    info_path = run_dir / RUN_INFO_FILE
+    trained_by = json.loads(info_path.read_text()).get("engine") if info_path.exists() else None
+    if trained_by is None:
+        checkpoint = next(iter(sorted(run_dir.glob(f"*/seed*/{store.CHECKPOINT_FILE}"))), None)
+        flower = (run_dir / "flower.json").exists() or (
+            checkpoint is not None and store.load_checkpoint(checkpoint).get("engine") == "flower")
+        trained_by = "flower" if flower else "in-process"
+    if trained_by == engine:
+        return
+    if trained_by == "flower":
+        how = (f"`fednorm flower sim --out {run_dir} --resume` on this machine, or `fednorm flower app APP_DIR --out "
+               f"{run_dir} --resume` and `flwr run` for a deployment (docs/flower.md, 3.9)")
+    else:
+        how = f"`fednorm resume {run_dir}`"
+    raise RunError(f"{run_dir} is a run of the {trained_by} engine, not of the {engine} one: its clients' state "
+                   f"stays with the engine that trained them, so resume it there: {how}")
+
+
 def check_config_unchanged(run_dir: Path, config: ExperimentConfig, engine: str = "in-process") -> None:
     """Refuse to resume a run whose config.yaml was edited (by hand) in a setting training depends on: its
     checkpoints were trained with the config it started with, and going on with another would give results of
@@ -639,10 +664,11 @@ def _update_run_info(run_dir: Path, entries: dict, drop: tuple[str, ...] = ()) -
     store.write_json(info_path, {k: v for k, v in info.items() if k not in drop} | entries)
 
 
-def _write_run_info(run_dir: Path, data_dir: Path | None, config: ExperimentConfig) -> None:
+def _write_run_info(run_dir: Path, data_dir: Path | None, config: ExperimentConfig, engine: str) -> None:
     """run.json of a new run, written whole (a folder whose earlier run lost its config.yaml keeps nothing of it)."""
     store.write_json(run_dir / RUN_INFO_FILE, {
         "run_id": uuid.uuid4().hex,  # tells this run's state apart from another run's of the same config (Flower nodes)
+        "engine": engine,  # which engine trains it, and so which command resumes it (check_engine)
         "data_dir": str(data_dir) if data_dir else None,
         "fednorm_version": __import__("fednorm").__version__,
         **resolved_hardware(config),
@@ -709,10 +735,11 @@ def run_lock(run_dir: Path):
 
 def start_run(
     config: ExperimentConfig, run_dir: Path, data_dir: str | None = None, progress: ProgressFn | None = None,
-    clients: list[ClientData] | None = None, build: EngineBuilder | None = None,
+    clients: list[ClientData] | None = None, build: EngineBuilder | None = None, engine: str = "in-process",
 ) -> list[CellResult]:
     """Create ``run_dir`` for ``config`` and run every cell. ``clients`` and ``build`` replace the
-    federation's data and the in-process engine (Flower's server passes its roster and its engine)."""
+    federation's data and the in-process engine (Flower's server passes its roster, its engine and ``engine``
+    "flower", recorded in run.json so that each engine resumes only its own runs)."""
     run_dir = Path(run_dir)
     if (run_dir / store.CONFIG_FILE).exists():
         raise RunError(
@@ -731,7 +758,7 @@ def start_run(
         if (run_dir / store.CONFIG_FILE).exists():  # started by another process since the check above
             raise RunError(f"{run_dir} already holds a run; continue it with `fednorm resume {run_dir}`")
         _write_config(run_dir, config)
-        _write_run_info(run_dir, resolved, config)
+        _write_run_info(run_dir, resolved, config, engine)
         return execute(run_dir, config, resolved, progress, clients=clients, build=build)
 
 
@@ -841,6 +868,7 @@ def resume_run(run_dir: Path, data_dir: str | None = None, progress: ProgressFn 
 def _resume_locked(run_dir: Path, data_dir: str | None, progress: ProgressFn | None, device: str | None,
                    rounds: int | None, on_divergence: str | None) -> list[CellResult]:
     config = load_run_config(run_dir)
+    check_engine(run_dir, "in-process")
     check_config_unchanged(run_dir, config)
     if rounds is not None and rounds != config.federation.rounds:
         config = extend_rounds(run_dir, config, rounds)

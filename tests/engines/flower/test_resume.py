@@ -126,6 +126,42 @@ def test_a_flower_resume_of_a_run_whose_config_was_edited_by_hand_is_refused(tmp
     assert "--rounds" not in str(err.value) and "fednorm run " not in str(err.value)
 
 
+def test_each_engine_resumes_only_its_own_runs(tmp_path):
+    """A Flower run's checkpoint holds the server's state only (FedBN's client BN layers stay on the nodes):
+    resumed in-process, its clients would go on from the global model's BN entries. Each engine refuses the
+    other's run and names the command that resumes it; a run begun before run.json named its engine is known by
+    its checkpoints."""
+    import json
+
+    from fednorm.runs.runner import resume_run
+
+    config = tiny_config("federation.rounds=4", "federation.checkpoint_every=2")
+    with pytest.raises(Stop):
+        run_flower(config, tmp_path / "flower", str(tmp_path / "node_state"), stop_at(3))
+    info_path = tmp_path / "flower" / "run.json"
+    assert json.loads(info_path.read_text())["engine"] == "flower"
+    cell = tmp_path / "flower" / "fedbn" / "seed0"
+    before = (cell / store.METRICS_FILE).read_text()
+    for info in ("as written", "without engine"):
+        if info == "without engine":
+            info_path.write_text(json.dumps({k: v for k, v in json.loads(info_path.read_text()).items()
+                                             if k != "engine"}))
+        with pytest.raises(RunError, match=r"is a run of the flower engine, not of the in-process one: .*"
+                                           r"`fednorm flower sim --out .*flower --resume`"):
+            resume_run(tmp_path / "flower")
+    assert (cell / store.METRICS_FILE).read_text() == before
+    assert store.load_checkpoint(cell / store.CHECKPOINT_FILE)["round"] == 2
+    run_flower(config, tmp_path / "flower", str(tmp_path / "node_state"), resume=True)  # its own engine goes on
+    assert store.load_checkpoint(cell / store.CHECKPOINT_FILE)["round"] == 4
+
+    with pytest.raises(Stop):
+        start_run(config, tmp_path / "in_process", progress=stop_at(3))
+    assert json.loads((tmp_path / "in_process" / "run.json").read_text())["engine"] == "in-process"
+    with pytest.raises(RunError, match=r"is a run of the in-process engine, not of the flower one: .*"
+                                       r"`fednorm resume .*in_process`"):
+        run_flower(config, tmp_path / "in_process", str(tmp_path / "node_state"), resume=True)
+
+
 def test_resume_commands_read_the_config_from_the_run_folder_and_refuse_a_missing_run(tmp_path):
     from typer.testing import CliRunner
 

@@ -40,8 +40,8 @@ from ...methods.server import ClientReply
 from ...methods.tasks import balanced_accuracy
 from ...runs import store
 from ...runs.config import ExperimentConfig, MethodConfig
-from ...runs.runner import (RUN_INFO_FILE, CellResult, RunError, build_engine, check_config_unchanged, execute,
-                            load_run_config, run_lock, start_run)
+from ...runs.runner import (RUN_INFO_FILE, CellResult, RunError, build_engine, check_config_unchanged, check_engine,
+                            execute, load_run_config, run_lock, start_run)
 from ..simulation import Evaluation
 from . import messages as m
 from .node import check_flower_method, experiment_text
@@ -601,6 +601,7 @@ def run_experiment(grid, settings: ServerSettings, progress=None) -> list[CellRe
     run_dir = Path(settings.out)
     if settings.resume:
         saved = load_run_config(run_dir)  # a clear error when there is no run to resume
+        check_engine(run_dir, "flower")
         check_config_unchanged(run_dir, saved, engine="flower")
         if saved.model_dump(mode="json") != config.model_dump(mode="json"):
             raise RunError(f"{run_dir} holds a run of another experiment than the one to resume; resume it with the "
@@ -623,7 +624,7 @@ def run_experiment(grid, settings: ServerSettings, progress=None) -> list[CellRe
         with run_lock(run_dir):
             results = execute(run_dir, config, None, progress, clients=clients, build=build)
     else:
-        results = start_run(config, run_dir, progress=progress, clients=clients, build=build)
+        results = start_run(config, run_dir, progress=progress, clients=clients, build=build, engine="flower")
     store.write_json(run_dir / "flower.json", {
         "engine": "flower", "flwr": _flwr_version(), "nodes": sorted(roster.known), "lost_nodes": sorted(roster.lost),
         "clients": {c.name: roster.node_of.get(c.name) for c in clients},
