@@ -561,13 +561,15 @@ def test_a_checkpoint_of_another_model_is_named_on_resume(tmp_path):
 
 def test_a_setting_a_later_fednorm_added_and_an_extension_cut_off_by_a_kill_are_no_edits(tmp_path, monkeypatch):
     """The fingerprint guard must not refuse a run nobody edited: a setting a later version added (its default
-    filled in on loading), or `--rounds` killed between writing config.yaml and run.json."""
+    filled in on loading) or no longer fingerprints, or `--rounds` killed between writing config.yaml and run.json."""
     from fednorm.runs import runner
 
     run = tmp_path / "run"
     start_run(tiny_config("methods=[fedavg]", "federation.rounds=2"), run)
     info = json.loads((run / "run.json").read_text())
     del info["config_fingerprint"]["federation.keep_selected_model"]  # as if started before that setting existed
+    # recorded by a fednorm that still counted it a training setting (before edits of it were allowed)
+    info["config_fingerprint"]["federation.reuse_freed_memory"] = "0123456789abcdef"
     (run / "run.json").write_text(json.dumps(info))
     assert resume_run(run, rounds=3)[0].summary["rounds"] == 3
     real_write_json, real_write_text = store.write_json, store.write_text

@@ -616,8 +616,8 @@ def check_engine(run_dir: Path, engine: str) -> None:
 def check_config_unchanged(run_dir: Path, config: ExperimentConfig, engine: str = "in-process") -> None:
     """Refuse to resume a run whose config.yaml was edited (by hand) in a setting training depends on: its
     checkpoints were trained with the config it started with, and going on with another would give results of
-    neither. Only the recorded settings are compared: a setting a later fednorm added (its default filled in on
-    loading) is no edit. Runs written before the fingerprint existed are not checked. ``engine`` (in-process or
+    neither. Only the settings both recorded and fingerprinted now are compared: a setting a later fednorm added (its
+    default filled in on loading), or no longer counts as a training setting, is no edit. Runs written before the fingerprint existed are not checked. ``engine`` (in-process or
     flower) picks the commands the message gives."""
     info_path = Path(run_dir) / RUN_INFO_FILE
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
@@ -627,7 +627,9 @@ def check_config_unchanged(run_dir: Path, config: ExperimentConfig, engine: str 
     now = config_fingerprint(config)
     # a write of config.yaml cut off by a kill leaves the fingerprint it replaces beside the new one (_write_config)
     accepted = [recorded, *([info["config_fingerprint_before"]] if info.get("config_fingerprint_before") else [])]
-    changes = [sorted(k for k in fp if fp[k] != now.get(k)) for fp in accepted]
+    # a recorded setting no longer fingerprinted (one a later fednorm allows to edit, federation.reuse_freed_memory,
+    # or one it dropped) is no edit either: runs begun before keep resuming
+    changes = [sorted(k for k in fp if k in now and fp[k] != now[k]) for fp in accepted]
     if any(not c for c in changes):
         return
     path = Path(run_dir) / store.CONFIG_FILE
