@@ -25,8 +25,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from fednorm.methods.external import ExternalBN, reestimate_bn_statistics
 from fednorm.runs import store
-from fednorm.runs.runner import (build_engine, build_federation_data, load_run_config, partition_record,
-                                 split_external)
+from fednorm.runs.runner import (build_engine, build_federation_data, load_cell_state, load_run_config,
+                                 partition_record, split_external)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("run_dir")
@@ -52,7 +52,7 @@ saved = json.loads((run_dir / "partitions.json").read_text())
 print("partitions identical to partitions.json:", saved == partition_record(clients))
 engine = build_engine(config, method_cfg, seed, clients)
 cell = store.cell_dir(run_dir, method_cfg.display, seed)
-engine.load_state_dict(store.load_checkpoint(cell / store.CHECKPOINT_FILE))
+load_cell_state(engine, cell / store.CHECKPOINT_FILE, "python benchmarks/bn_reestimate.py", client_state=True)
 print(f"method {method_cfg.display}, round {engine.round}, policy {engine.method.policy}, "
       f"#local keys {len(engine.local_keys)}, setup {time.time()-t0:.1f}s", flush=True)
 summary = json.loads((cell / store.SUMMARY_FILE).read_text())

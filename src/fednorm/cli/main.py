@@ -555,6 +555,10 @@ def flower_app_folder(
 
         for method_cfg in cfg.methods:
             check_flower_method(method_cfg)
+        if resume and (out / "config.yaml").is_file():  # the run folder is here: refuse another engine's run now
+            from ..runs.runner import check_engine
+
+            check_engine(out, "flower")
         path = runtime.write_app(app_dir, cfg, out, _flower_options(round_timeout, node_wait), resume=resume)
     except (*_USER_ERRORS, ValueError) as exc:
         _fail(exc)

@@ -165,7 +165,7 @@ def landscape_of_cell(run_dir: Path, label: str | None = None, seed: int | None 
         raise RunError(f"{cell} has no checkpoint: run or resume the cell first (`fednorm resume {run_dir}`)")
     engine = build_engine(config, method_cfg, seed,
                           build_federation_data(config, run_data_dir(run_dir, config, data_dir)))
-    load_cell_state(engine, checkpoint, "landscape", client_state=True)  # each client's loss with its own BN
+    load_cell_state(engine, checkpoint, "fednorm landscape", client_state=True)  # each client's loss with its own BN
     result = landscape(engine, span=span, points=points, samples=samples, seed=seed)
     suffix = "" if span == 1.0 else f"-span{span:g}"
     (cell / f"landscape{suffix}.json").write_text(store.dumps(result))

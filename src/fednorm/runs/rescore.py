@@ -44,7 +44,7 @@ def rescore_run(run_dir: Path, data_dir: str | None = None, model: str = "final"
     for done, (method_cfg, seed) in enumerate(cells):
         engine = build_engine(config, method_cfg, seed, clients)
         path = store.cell_dir(run_dir, method_cfg.display, seed) / state_file
-        load_cell_state(engine, path, "rescore", client_state=True)  # each internal client with its own BN
+        load_cell_state(engine, path, "fednorm rescore", client_state=True)  # each internal client with its own BN
         row: dict = {"method": method_cfg.display, "seed": seed, "round": engine.round}
         for statistics in STATISTICS:
             engine.federation = replace(engine.federation, recompute_bn_statistics=statistics == "recomputed")

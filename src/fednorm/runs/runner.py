@@ -486,19 +486,19 @@ def load_selected(path: Path) -> dict:
 
 def load_cell_state(engine, path: Path, command: str, client_state: bool) -> None:
     """Load a cell's ``checkpoint.pt`` or ``selected.pt`` (by its name) into an in-process ``engine`` for an offline
-    command (``fednorm rescore``, ``landscape``, ``external-ablation``). ``client_state``: whether the command
+    ``command`` (``fednorm rescore``, ``fednorm landscape``, ``fednorm external-ablation``). ``client_state``: whether the command
     evaluates with the clients' local state (each client's BN layers under FedBN / SiloBN / a local_bn add-on). A
     Flower run's files hold the server's state only, the clients' local state stays on their nodes: such a command
     refuses them rather than evaluate the clients with the global model's BN entries (numbers of no model)."""
     path = Path(path)
     state = load_selected(path) if path.name == store.SELECTED_FILE else store.load_checkpoint(path)
     if client_state and state.get("engine") == "flower" and state.get("local_keys"):
-        run_dir = path.parent.parent.parent
+        run_dir, keys = path.parent.parent.parent, state["local_keys"]
         raise RunError(
-            f"{path} is from a Flower run: it holds the server's state only, and the clients of {path.parent.parent.name!r} "
-            f"keep their own BN state ({len(state['local_keys'])} entries: {', '.join(state['local_keys'][:3])}, ...) on "
-            f"their nodes, which `fednorm {command}` needs to evaluate them. For this command, run the experiment on "
-            f"the in-process engine: `fednorm run {run_dir / store.CONFIG_FILE} --out NEW_DIR`; the nodes' own "
+            f"{path} is from a Flower run: it holds the server's state only, and the clients of "
+            f"{path.parent.parent.name!r} keep their own BN state ({len(keys)} entries: {', '.join(keys[:3])}"
+            f"{', ...' if len(keys) > 3 else ''}) on their nodes, which `{command}` needs to evaluate them. For "
+            f"this command, run the experiment on the in-process engine: `fednorm run {run_dir / store.CONFIG_FILE} --out NEW_DIR`; the nodes' own "
             "evaluations are in the run's metrics.jsonl")
     engine.load_state_dict(state)
 
@@ -593,20 +593,29 @@ def check_engine(run_dir: Path, engine: str) -> None:
     keep their state (FedBN's BN layers, SCAFFOLD's control variates) and data on their nodes, and its checkpoints
     hold the server's state only, so the in-process engine would go on with clients it never had; an in-process
     run's nodes would have none of its clients' state. Runs begun before run.json named the engine: a Flower run
-    is known by its flower.json (written when it finished) or its checkpoints (marked "engine": "flower")."""
+    is known by its flower.json (written when it finished), its participation logs (written every round) or its
+    checkpoints (marked "engine": "flower")."""
     run_dir = Path(run_dir)
     info_path = run_dir / RUN_INFO_FILE
     trained_by = json.loads(info_path.read_text()).get("engine") if info_path.exists() else None
     if trained_by is None:
-        checkpoint = next(iter(sorted(run_dir.glob(f"*/seed*/{store.CHECKPOINT_FILE}"))), None)
-        flower = (run_dir / "flower.json").exists() or (
-            checkpoint is not None and store.load_checkpoint(checkpoint).get("engine") == "flower")
+        flower = (run_dir / "flower.json").exists() or any(run_dir.glob("*/seed*/participation.jsonl"))
+        for checkpoint in [] if flower else sorted(run_dir.glob(f"*/seed*/{store.CHECKPOINT_FILE}"))[:1]:
+            try:  # memory-mapped: only the mark is read
+                state = torch.load(checkpoint, map_location="cpu", weights_only=False, mmap=True)
+                flower = state.get("engine") == "flower"
+            except Exception:  # noqa: BLE001 - an unreadable checkpoint tells nothing; its own resume says so
+                pass
         trained_by = "flower" if flower else "in-process"
     if trained_by == engine:
         return
     if trained_by == "flower":
-        how = (f"`fednorm flower sim --out {run_dir} --resume` on this machine, or `fednorm flower app APP_DIR --out "
-               f"{run_dir} --resume` and `flwr run` for a deployment (docs/flower.md, 3.9)")
+        # the runtimes keep the clients' state in different places (sim: RUN/node_state, local: its --workdir,
+        # a deployment: each node's state-dir), so the one that started the run must resume it
+        how = (f"with the Flower runtime that started it: `fednorm flower sim --out {run_dir} --resume`, "
+               f"`fednorm flower local --out {run_dir} --resume` (with the --workdir it ran with, default "
+               f"{run_dir}-flower), or `fednorm flower app APP_DIR --out {run_dir} --resume` and `flwr run` "
+               "(docs/flower.md, 3.9); a Flower resume cannot add rounds")
     else:
         how = f"`fednorm resume {run_dir}`"
     raise RunError(f"{run_dir} is a run of the {trained_by} engine, not of the {engine} one: its clients' state "
@@ -743,10 +752,9 @@ def start_run(
     federation's data and the in-process engine (Flower's server passes its roster, its engine and ``engine``
     "flower", recorded in run.json so that each engine resumes only its own runs)."""
     run_dir = Path(run_dir)
+    again = f"`fednorm resume {run_dir}`" if engine == "in-process" else "a Flower resume (--resume)"
     if (run_dir / store.CONFIG_FILE).exists():
-        raise RunError(
-            f"{run_dir} already holds a run; continue it with `fednorm resume {run_dir}` or choose another --out"
-        )
+        raise RunError(f"{run_dir} already holds a run; continue it with {again} or choose another --out")
     resolved = None
     if clients is None:
         if needs_data_folder(config):
@@ -758,7 +766,7 @@ def start_run(
     run_dir.mkdir(parents=True, exist_ok=True)
     with run_lock(run_dir):
         if (run_dir / store.CONFIG_FILE).exists():  # started by another process since the check above
-            raise RunError(f"{run_dir} already holds a run; continue it with `fednorm resume {run_dir}`")
+            raise RunError(f"{run_dir} already holds a run; continue it with {again}")
         _write_config(run_dir, config)
         _write_run_info(run_dir, resolved, config, engine)
         return execute(run_dir, config, resolved, progress, clients=clients, build=build)

@@ -116,7 +116,7 @@ def iter_ablation(
         path = store.cell_dir(run_dir, method_cfg.display, seed) / state_file
         # the global model and test-time statistics need the server's state only; FedBN App. G's row averages the
         # internal clients' own BN affine parameters where the method keeps them local
-        load_cell_state(engine, path, "external-ablation", client_state=engine.bn_affine_is_local)
+        load_cell_state(engine, path, "fednorm external-ablation", client_state=engine.bn_affine_is_local)
         prepare = engine.runner.evaluation_prepare(engine.input_state)
         label = f"{method_cfg.display}/seed{seed}"
         rows: list[Row] = []

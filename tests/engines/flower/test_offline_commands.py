@@ -8,7 +8,7 @@ import pytest
 from fednorm.diagnostics.landscape import landscape_of_cell
 from fednorm.runs.rescore import rescore_run
 from fednorm.runs.runner import RunError
-from fednorm.runs.unifed_ablation import ablation_rows
+from fednorm.runs.unifed_ablation import ablation_rows, run_ablation
 
 from .conftest import tiny_config
 from .test_equivalence import in_process_and_flower
@@ -24,12 +24,13 @@ def test_commands_that_score_clients_with_their_own_bn_refuse_a_flower_checkpoin
     flower = tmp_path / "flower"
     for command, call in [("rescore", lambda: rescore_run(flower)),
                           ("landscape", lambda: landscape_of_cell(flower, "fedbn", points=3, samples=8)),
-                          ("external-ablation", lambda: ablation_rows(flower))]:
+                          ("external-ablation", lambda: run_ablation(flower))]:
         with pytest.raises(RunError, match=rf"from a Flower run: it holds the server's state only, and the clients "
                                            rf"of 'fedbn' keep their own BN state .* `fednorm {command}` needs .*"
                                            rf"fednorm run .*flower/config.yaml --out NEW_DIR"):
             call()
-    assert not list(flower.glob("fedbn/seed0/landscape*")) and not (flower / "unifed_ablation.json").exists()
+    assert not list(flower.glob("fedbn/seed0/landscape*")) and not list(flower.glob("*rescore*"))
+    assert not list(flower.glob("unifed_ablation*"))
     rescore_run(tmp_path / "in_process")  # the same cell trained in-process has its clients' state
 
 

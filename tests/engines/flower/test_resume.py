@@ -174,9 +174,14 @@ def test_resume_commands_read_the_config_from_the_run_folder_and_refuse_a_missin
     assert missing.exit_code == 2 and "no config.yaml" in missing.output
     assert "give the original config" in " ".join(missing.output.split())
     config = tiny_config("federation.rounds=4")
-    start_run(config, tmp_path / "run")  # a run folder (here finished in-process)
+    run_flower(config, tmp_path / "run", None)  # a run folder (here a finished Flower run)
     out = CliRunner().invoke(app, ["flower", "app", str(tmp_path / "app"), "--out", str(tmp_path / "run"), "--resume"])
     assert out.exit_code == 0, out.output
+    start_run(config, tmp_path / "in_process")  # another engine's run is refused before any app is written
+    refused = CliRunner().invoke(app, ["flower", "app", str(tmp_path / "app3"), "--out", str(tmp_path / "in_process"),
+                                       "--resume"])
+    assert refused.exit_code != 0 and "a run of the in-process engine" in " ".join(refused.output.split())
+    assert not (tmp_path / "app3").exists()
     text = (tmp_path / "app" / "pyproject.toml").read_text()
     assert "resume = true" in text and "rounds: 4" in text
     write_app(tmp_path / "app2", load_config("default"), tmp_path / "x")
@@ -192,3 +197,18 @@ def test_a_method_that_cannot_run_fails_on_flower_before_the_run_folder_is_writt
     with pytest.raises(ConfigError, match="method 'fedavg' cannot run on this config"):
         run_flower(config, tmp_path / "run", None)
     assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_the_flower_runtimes_refuse_an_in_process_run_before_they_start(tmp_path):
+    """`flower sim / local --resume` of an in-process run folder: refused before Ray or a SuperLink starts, where
+    the server's refusal would only reach a log (`flower local` would then report the old run's table)."""
+    from fednorm.engines.flower import runtime
+
+    config = tiny_config("federation.rounds=2")
+    start_run(config, tmp_path / "run")
+    for launch in (lambda: runtime.simulate(config, tmp_path / "run", resume=True),
+                   lambda: runtime.run_local(config, tmp_path / "run", tmp_path / "work", resume=True)):
+        with pytest.raises(RunError, match=r"is a run of the in-process engine, not of the flower one: .*"
+                                           r"`fednorm resume .*run`"):
+            launch()
+    assert not (tmp_path / "work").exists() and not (tmp_path / "run" / "node_state").exists()

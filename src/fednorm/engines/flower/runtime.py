@@ -23,7 +23,7 @@ from pathlib import Path
 import tomli_w
 
 from ...runs.config import ExperimentConfig
-from ...runs.runner import RunError
+from ...runs.runner import RunError, check_engine
 from .node import NODE_DATA_DIR, NODE_STATE_DIR, experiment_text, federation_size
 from .server import FlowerOptions, ServerSettings
 
@@ -64,6 +64,8 @@ NODE_STATE_FOLDER = "node_state"
 def _check_out(out: Path, resume: bool) -> None:
     if resume and not (out / "config.yaml").exists():
         raise RunError(f"{out} holds no run to resume (no config.yaml)")
+    if resume:  # before Ray or the SuperLink start: the server's own refusal would end up in a log
+        check_engine(out, "flower")
     if not resume and (out / "config.yaml").exists():
         raise RunError(f"{out} already holds a run; resume it with --resume or choose another --out")
 

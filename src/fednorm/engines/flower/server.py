@@ -591,6 +591,9 @@ def run_experiment(grid, settings: ServerSettings, progress=None) -> list[CellRe
     from .node import load_experiment
 
     config = load_experiment(settings.experiment)
+    run_dir = Path(settings.out)
+    if settings.resume and (run_dir / store.CONFIG_FILE).exists():
+        check_engine(run_dir, "flower")  # first: an in-process run's own settings may be no Flower ones
     for method_cfg in config.methods:
         check_flower_method(method_cfg)
     d = config.diagnostics
@@ -598,10 +601,8 @@ def run_experiment(grid, settings: ServerSettings, progress=None) -> list[CellRe
         raise RunError("diagnostics.gradient_dissimilarity and diagnostics.landscape evaluate every client's data in "
                        "one process, which a Flower server does not hold: run them with the in-process engine "
                        "(`fednorm run`); diagnostics.drift works on Flower")
-    run_dir = Path(settings.out)
     if settings.resume:
         saved = load_run_config(run_dir)  # a clear error when there is no run to resume
-        check_engine(run_dir, "flower")
         check_config_unchanged(run_dir, saved, engine="flower")
         if saved.model_dump(mode="json") != config.model_dump(mode="json"):
             raise RunError(f"{run_dir} holds a run of another experiment than the one to resume; resume it with the "
