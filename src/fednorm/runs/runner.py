@@ -486,10 +486,11 @@ def load_selected(path: Path) -> dict:
 
 def load_cell_state(engine, path: Path, command: str, client_state: bool) -> None:
     """Load a cell's ``checkpoint.pt`` or ``selected.pt`` (by its name) into an in-process ``engine`` for an offline
-    ``command`` (``fednorm rescore``, ``fednorm landscape``, ``fednorm external-ablation``). ``client_state``: whether the command
-    evaluates with the clients' local state (each client's BN layers under FedBN / SiloBN / a local_bn add-on). A
-    Flower run's files hold the server's state only, the clients' local state stays on their nodes: such a command
-    refuses them rather than evaluate the clients with the global model's BN entries (numbers of no model)."""
+    ``command`` (``fednorm rescore``, ``fednorm landscape``, ``fednorm external-ablation``). ``client_state``:
+    whether the command evaluates with the clients' local state (each client's BN layers under FedBN / SiloBN / a
+    local_bn add-on). A Flower run's files hold the server's state only, the clients' local state stays on their
+    nodes: such a command refuses them rather than evaluate the clients with the global model's BN entries
+    (numbers of no model)."""
     path = Path(path)
     state = load_selected(path) if path.name == store.SELECTED_FILE else store.load_checkpoint(path)
     if client_state and state.get("engine") == "flower" and state.get("local_keys"):
@@ -498,8 +499,8 @@ def load_cell_state(engine, path: Path, command: str, client_state: bool) -> Non
             f"{path} is from a Flower run: it holds the server's state only, and the clients of "
             f"{path.parent.parent.name!r} keep their own BN state ({len(keys)} entries: {', '.join(keys[:3])}"
             f"{', ...' if len(keys) > 3 else ''}) on their nodes, which `{command}` needs to evaluate them. For "
-            f"this command, run the experiment on the in-process engine: `fednorm run {run_dir / store.CONFIG_FILE} --out NEW_DIR`; the nodes' own "
-            "evaluations are in the run's metrics.jsonl")
+            f"this command, run the experiment on the in-process engine: `fednorm run {run_dir / store.CONFIG_FILE} "
+            "--out NEW_DIR`; the nodes' own evaluations are in the run's metrics.jsonl")
     engine.load_state_dict(state)
 
 
@@ -599,7 +600,7 @@ def check_engine(run_dir: Path, engine: str) -> None:
     info_path = run_dir / RUN_INFO_FILE
     trained_by = json.loads(info_path.read_text()).get("engine") if info_path.exists() else None
     if trained_by is None:
-        flower = (run_dir / "flower.json").exists() or any(run_dir.glob("*/seed*/participation.jsonl"))
+        flower = (run_dir / store.FLOWER_INFO_FILE).exists() or any(run_dir.glob(f"*/seed*/{store.PARTICIPATION_FILE}"))
         for checkpoint in [] if flower else sorted(run_dir.glob(f"*/seed*/{store.CHECKPOINT_FILE}"))[:1]:
             try:  # memory-mapped: only the mark is read
                 state = torch.load(checkpoint, map_location="cpu", weights_only=False, mmap=True)
@@ -626,8 +627,8 @@ def check_config_unchanged(run_dir: Path, config: ExperimentConfig, engine: str 
     """Refuse to resume a run whose config.yaml was edited (by hand) in a setting training depends on: its
     checkpoints were trained with the config it started with, and going on with another would give results of
     neither. Only the settings both recorded and fingerprinted now are compared: a setting a later fednorm added (its
-    default filled in on loading), or no longer counts as a training setting, is no edit. Runs written before the fingerprint existed are not checked. ``engine`` (in-process or
-    flower) picks the commands the message gives."""
+    default filled in on loading), or no longer counts as a training setting, is no edit. Runs written before the
+    fingerprint existed are not checked. ``engine`` (in-process or flower) picks the commands the message gives."""
     info_path = Path(run_dir) / RUN_INFO_FILE
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
     recorded = info.get("config_fingerprint")

@@ -33,6 +33,9 @@ METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_FILE = "checkpoint.pt"
 SELECTED_FILE = "selected.pt"
 SUMMARY_FILE = "summary.json"
+# written by the Flower engine only: which nodes held which client (at the end), and per round who took part
+FLOWER_INFO_FILE = "flower.json"
+PARTICIPATION_FILE = "participation.jsonl"
 
 
 def cell_dir(run_dir: Path, label: str, seed: int) -> Path:

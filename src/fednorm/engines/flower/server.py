@@ -46,7 +46,7 @@ from ..simulation import Evaluation
 from . import messages as m
 from .node import check_flower_method, experiment_text
 
-PARTICIPATION_FILE = "participation.jsonl"
+PARTICIPATION_FILE = store.PARTICIPATION_FILE
 
 
 @dataclass(frozen=True)
@@ -626,7 +626,7 @@ def run_experiment(grid, settings: ServerSettings, progress=None) -> list[CellRe
             results = execute(run_dir, config, None, progress, clients=clients, build=build)
     else:
         results = start_run(config, run_dir, progress=progress, clients=clients, build=build, engine="flower")
-    store.write_json(run_dir / "flower.json", {
+    store.write_json(run_dir / store.FLOWER_INFO_FILE, {
         "engine": "flower", "flwr": _flwr_version(), "nodes": sorted(roster.known), "lost_nodes": sorted(roster.lost),
         "clients": {c.name: roster.node_of.get(c.name) for c in clients},
         "options": {"round_timeout": settings.options.round_timeout, "node_wait": settings.options.node_wait},
