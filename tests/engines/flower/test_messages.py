@@ -28,6 +28,16 @@ def test_instructions_round_trip():
     assert m.decode_instructions(RecordDict({m.INSTRUCTIONS: m.instructions_record(ins)})) == ins
 
 
+def test_cell_request_round_trips_and_an_older_servers_request_claims_no_client_state():
+    cell = m.CellRequest("name: x", "FedBN", 2, "mnist", "mnist", ("test", "val"), ("fedbn_average",), round=7,
+                         run_id="abc", has_state=True)
+    assert m.CellRequest.decode(RecordDict({m.CELL: cell.record()})) == cell
+    older = cell.record()
+    del older["has_state"], older["run_id"], older["external_modes"]  # a server of an earlier fednorm
+    assert m.CellRequest.decode(RecordDict({m.CELL: older})) == m.CellRequest(
+        "name: x", "FedBN", 2, "mnist", "mnist", ("test", "val"), round=7)
+
+
 def test_reply_round_trip_and_the_server_weight_wins():
     reply = ClientReply("a", {"w": torch.ones(2, 2), "n": torch.tensor(3)}, 0.25, 7, {"bn1": 32})
     content = m.encode_reply(reply, {"c.w": torch.zeros(2, 2)}, LocalResult(12.5, 40, 7))

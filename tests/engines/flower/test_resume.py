@@ -96,6 +96,25 @@ def test_two_runs_on_one_state_dir_keep_their_client_state_apart(tmp_path):
     assert store.read_metrics(tmp_path / "second" / cell) == store.read_metrics(tmp_path / "in_process" / cell)
 
 
+@pytest.mark.parametrize("method", ["fedbn", "scaffold"])
+def test_a_resume_on_nodes_that_lack_the_clients_state_stops_and_loses_nothing(tmp_path, method):
+    # resumed with another runtime, or another state-dir, the nodes find none of the state their clients saved
+    # (FedBN's BN layers, SCAFFOLD's c_i): they must not start those clients afresh
+    config = tiny_config(f"methods=[{method}]", "federation.rounds=4", "federation.eval_every=1",
+                         "federation.checkpoint_every=2")
+    start_run(config, tmp_path / "in_process")
+    state = str(tmp_path / "node_state")
+    with pytest.raises(Stop):
+        run_flower(config, tmp_path / "flower", state, stop_at(3))
+    with pytest.raises(RunError, match="lacks the state that client saved on it.*ClientStateMissing"):
+        run_flower(config, tmp_path / "flower", str(tmp_path / "other_runtime_state"), resume=True)
+    checkpoint = store.load_checkpoint(tmp_path / "flower" / method / "seed0" / store.CHECKPOINT_FILE)
+    assert checkpoint["round"] == 2 and checkpoint["clients_with_state"] == ["rendered/neon", "rendered/print"]
+    run_flower(config, tmp_path / "flower", state, resume=True)  # the nodes that ran it go on, as if never stopped
+    cell = f"{method}/seed0/{store.METRICS_FILE}"
+    assert store.read_metrics(tmp_path / "flower" / cell) == store.read_metrics(tmp_path / "in_process" / cell)
+
+
 def test_resume_without_node_state_is_refused_for_a_method_with_client_state(tmp_path):
     config = tiny_config("federation.rounds=4", "federation.checkpoint_every=2")
     with pytest.raises(Stop):

@@ -81,12 +81,15 @@ class CellRequest:
     external_modes: tuple[str, ...] = ()  # an external client's evaluation: under these modes
     round: int = -1  # rounds completed when the message is sent (where a node's saved client state applies)
     run_id: str = ""  # the run folder's id (run.json): a node keeps each run's client state apart
+    # the client trained before, under a method whose clients keep state: its node must have that state saved
+    # (a node that has none was not the one that ran it; it must not start the client afresh)
+    has_state: bool = False
 
     def record(self) -> ConfigRecord:
         return ConfigRecord({"experiment": self.experiment, "method": self.method, "seed": int(self.seed),
                              "client": self.client, "record_as": self.record_as or self.client,
                              "splits": list(self.splits), "external_modes": list(self.external_modes),
-                             "round": int(self.round), "run_id": self.run_id})
+                             "round": int(self.round), "run_id": self.run_id, "has_state": bool(self.has_state)})
 
     @classmethod
     def decode(cls, content: RecordDict) -> "CellRequest":
@@ -96,7 +99,7 @@ class CellRequest:
         return cls(str(record["experiment"]), str(record["method"]), int(record["seed"]), str(record["client"]),
                    str(record["record_as"]), tuple(str(s) for s in record["splits"]),
                    tuple(str(s) for s in record.get("external_modes", [])), int(record.get("round", -1)),
-                   str(record.get("run_id", "")))
+                   str(record.get("run_id", "")), bool(record.get("has_state", False)))
 
 
 # ------------------------------------------------------------------------------------------ instructions

@@ -51,6 +51,13 @@ class NodeConfigError(ValueError):
     """The SuperNode's node config does not say which clients it holds, or names unknown ones."""
 
 
+class ClientStateMissing(RuntimeError):
+    """The server says a client trained before under a method whose clients keep state, and this node has none
+    of that state: the node is not the one that ran it (another runtime, another state-dir, a restart without
+    one). The server stops the run on this error (its name is the marker) rather than let the client start
+    afresh."""
+
+
 # ------------------------------------------------------------------------------------------ the experiment
 @functools.lru_cache(maxsize=4)
 def load_experiment(text: str) -> ExperimentConfig:
@@ -264,12 +271,23 @@ class NodeClients:
         return engine, initial, client, spec
 
     @staticmethod
-    def _load_memory(context: Context, spec: NodeSpec, prefix: str, at_round: int) -> ClientMemory:
+    def _load_memory(context: Context, spec: NodeSpec, cell: m.CellRequest, client: str, at_round: int
+                     ) -> ClientMemory:
         """The client's memory as of ``at_round`` completed rounds: from the state folder when the node has one
-        (it survives the run), else from ``Context.state``."""
+        (it survives the run), else from ``Context.state``. None when the server knows the client has state
+        (``cell.has_state``) raises :class:`ClientStateMissing`."""
+        prefix = m.memory_prefix(cell, client)
         if spec.state_dir and at_round >= 0:
-            return NodeStateStore(spec.state_dir).load(prefix, at_round)
-        return m.load_memory(context.state, prefix)
+            memory = NodeStateStore(spec.state_dir).load(prefix, at_round)
+        else:
+            memory = m.load_memory(context.state, prefix)
+        if cell.has_state and not (memory.local_state or memory.optimizer_state is not None or memory.algorithm_state):
+            where = (f"its state-dir {spec.state_dir}" if spec.state_dir
+                     else "Flower's run context (this node has no state-dir)")
+            raise ClientStateMissing(
+                f"client {client!r} trained before round {at_round + 1} of {cell.method} seed {cell.seed} and keeps "
+                f"state between rounds, but this node has none of it in {where}")
+        return memory
 
     def query(self, message: Message, context: Context) -> Message:
         """A query message: the roster (no method named), or a client's BN affine parameters."""
@@ -284,7 +302,7 @@ class NodeClients:
 
         cell = m.CellRequest.decode(message.content)
         engine, _, client, spec = self._client(context, cell)
-        memory = self._load_memory(context, spec, m.memory_prefix(cell, client.name), cell.round)
+        memory = self._load_memory(context, spec, cell, client.name, cell.round)
         affine = {k: memory.local_state[k] for k in bn_affine_keys(engine.model) if k in memory.local_state}
         return Message(RecordDict({m.CELL: cell.record(), m.BN_AFFINE: m.to_arrays(affine)}), reply_to=message)
 
@@ -311,7 +329,7 @@ class NodeClients:
         server_state = m.from_arrays(message.content, m.SERVER_STATE)
         input_state = m.from_arrays(message.content, m.INPUT_STATE)
         prefix = m.memory_prefix(cell, client.name)
-        memory = self._load_memory(context, spec, prefix, instructions.round)
+        memory = self._load_memory(context, spec, cell, client.name, instructions.round)
         reply, algorithm_message, result = engine.runner.run(client, instructions, {**initial, **shared},
                                                              server_state, memory, input_state=input_state)
         kept = type(memory)(memory.local_state if engine.local_keys else {},
@@ -347,8 +365,7 @@ class NodeClients:
         else:
             if cell.record_as == client.name:
                 target = client
-                memory = self._load_memory(context, spec, m.memory_prefix(cell, client.name),
-                                           cell.round)
+                memory = self._load_memory(context, spec, cell, client.name, cell.round)
                 if memory.local_state:
                     engine.local_states = {client.name: memory.local_state}
             else:

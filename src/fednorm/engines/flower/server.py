@@ -282,6 +282,16 @@ class FlowerEngine:
         self.run_id = run_id
         self.participation_path = None if cell_dir is None else Path(cell_dir) / PARTICIPATION_FILE
         self._participation_checked = False  # rounds after the cell's checkpoint are dropped at the first write
+        core = self.core
+        # clients whose node answered a train message of a method whose clients keep state (their BN layers,
+        # optimizer, control variates) and keeps that state on disk (node config state-dir): the node saved it
+        # (node.py, train), so every later message tells it the state must be there (CellRequest.has_state), and
+        # a node without it (another runtime or state-dir on resume, a restart without its state-dir) stops the
+        # run instead of starting the client afresh. A node without a state-dir promises no more than its run
+        # context: restarted, its clients start from the global model (docs/flower.md). Checkpointed.
+        self.keeps_client_state = bool(core.local_keys or core.federation.persistent_optimizer
+                                       or core.algorithm.stateful)
+        self.clients_with_state: set[str] = set()
 
     @property
     def round(self) -> int:
@@ -290,7 +300,7 @@ class FlowerEngine:
     # -------------------------------------------------------------- messages
     def _cell(self, client: str, record_as: str = "", splits: tuple[str, ...] = ()) -> m.CellRequest:
         return m.CellRequest(self.experiment, self.label, self.seed, client, record_as or client, splits,
-                             round=self.core.round, run_id=self.run_id)
+                             round=self.core.round, run_id=self.run_id, has_state=client in self.clients_with_state)
 
     def _global(self) -> ArrayRecord:
         return m.to_arrays({k: self.core.global_state[k] for k in self.core.shared_keys})
@@ -320,6 +330,18 @@ class FlowerEngine:
                     self.roster.lose(self.roster.node_of[client_of[key]])
             else:
                 replies[key] = reply
+        missing = {key: reason for key, reason in dropped.items() if "ClientStateMissing" in reason}
+        if missing:
+            # a node without the state its client saved would start that client afresh: results of no method.
+            # Not a faulty node to leave out of one round but a setup error: stop, before anything is aggregated
+            key, reason = next(iter(missing.items()))
+            raise RunError(
+                f"{self.label} seed {self.seed}: the node holding client {client_of[key]!r} lacks the state that client "
+                f"saved on it ({reason}). Clients keep this state on the nodes that trained them: resume a run with "
+                "the Flower runtime and nodes that started it (sim: RUN/node_state; local: its --workdir; a "
+                "deployment: each SuperNode with the same state-dir), and restart a SuperNode with the state-dir it "
+                "had (docs/flower.md, 3.9). Nothing was trained with the missing state; the run resumes from its "
+                "last checkpoint")
         return replies, dropped
 
     # -------------------------------------------------------------- rounds
@@ -335,6 +357,9 @@ class FlowerEngine:
             m.GLOBAL: shared, m.SERVER_STATE: server_state, m.INPUT_STATE: input_state}))
             for client, instructions in plan]
         replies, dropped = self._send(MessageType.TRAIN, sends, group=f"train-{r}")
+        if self.keeps_client_state:
+            persistent = {e.name for e in self.roster.entries.values() if e.persistent}
+            self.clients_with_state |= set(replies) & persistent
         # a node whose local training raised DivergenceError (NaN/inf loss) answers with an error naming it
         # (flwr: "<class '...DivergenceError'>:<'...'>"). As in-process, that is the run's divergence, which
         # federation.on_divergence settles (runner.run_cell: stop with an error, or record the cell), not a faulty
@@ -546,7 +571,7 @@ class FlowerEngine:
     def state_dict(self) -> dict:
         """The server's state (global model, server optimizer, client algorithm server state); the clients'
         local state is on their nodes and not in it."""
-        return {**self.core.state_dict(), "engine": "flower"}
+        return {**self.core.state_dict(), "engine": "flower", "clients_with_state": sorted(self.clients_with_state)}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from the server's checkpoint. A method with client state needs it back from the nodes: every
@@ -561,6 +586,8 @@ class FlowerEngine:
                     "--node-config \"state-dir='DIR'\" (a folder on its machine) to make such runs resumable, "
                     "or delete the cell folder to rerun the cell")
         self.core.load_state_dict(state)
+        # checkpoints written before fednorm recorded it: no client is known to have state (nothing is checked)
+        self.clients_with_state = set(state.get("clients_with_state", []))
 
 
 # ------------------------------------------------------------------------------------------ the ServerApp's main
