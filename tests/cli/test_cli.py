@@ -58,11 +58,11 @@ def test_run_prints_the_per_client_table_and_report_reads_it(tmp_path):
     (going / "config.yaml").write_text((out / "config.yaml").read_text())
     result = runner.invoke(app, ["report", str(out), str(going), "--markdown"], terminal_width=400)
     assert result.exit_code == 0, result.output
-    assert f"skipped {going}: no finished cell yet (`fednorm resume {going}` finishes it)" in result.output
+    assert f"skipped {going}: no finished cell yet; finish it: `fednorm resume {going}`" in result.output
     assert f"| {fedbn_avg:.2f} |" in result.output
     # ... unless nothing is finished at all; and what is not a run is not sent to `fednorm resume`
     result = runner.invoke(app, ["report", str(going)], terminal_width=400)
-    assert result.exit_code == 2 and f"`fednorm resume {going}` finishes it" in result.output
+    assert result.exit_code == 2 and f"finish it: `fednorm resume {going}`" in result.output
     empty = tmp_path / "empty"
     empty.mkdir()
     result = runner.invoke(app, ["report", str(empty)], terminal_width=400)

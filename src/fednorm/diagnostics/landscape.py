@@ -149,7 +149,7 @@ def landscape_of_cell(run_dir: Path, label: str | None = None, seed: int | None 
     the PNG written into the cell folder (``landscape.png``, or ``landscape-span<s>.png`` for another span)."""
     from ..runs import store
     from ..runs.runner import (RunError, build_engine, build_federation_data, load_cell_state, load_run_config,
-                               run_data_dir)
+                               resume_command, run_data_dir)
 
     run_dir = Path(run_dir)
     config = load_run_config(run_dir)
@@ -162,7 +162,7 @@ def landscape_of_cell(run_dir: Path, label: str | None = None, seed: int | None 
     cell = store.cell_dir(run_dir, label, seed)
     checkpoint = cell / store.CHECKPOINT_FILE
     if not checkpoint.exists():
-        raise RunError(f"{cell} has no checkpoint: run or resume the cell first (`fednorm resume {run_dir}`)")
+        raise RunError(f"{cell} has no checkpoint: run or resume the cell first ({resume_command(run_dir)})")
     engine = build_engine(config, method_cfg, seed,
                           build_federation_data(config, run_data_dir(run_dir, config, data_dir)))
     load_cell_state(engine, checkpoint, "fednorm landscape", client_state=True)  # each client's loss with its own BN

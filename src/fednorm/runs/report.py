@@ -233,18 +233,18 @@ def read_summaries(run_dir: Path) -> list[dict]:
 def no_finished_cell(path: Path) -> str:
     """Why ``path`` gave a report no finished cell, and what to do: a run (or a cell of one) still going, runs
     below it none of which finished, or no run at all (a file, or a folder `fednorm run` did not write)."""
-    from .runner import find_run_folder
+    from .runner import find_run_folder, resume_command
 
     path = Path(path)
     if path.is_file():
         return f"{path} is a file: give run folders (the --out of `fednorm run`) or cell folders in them"
     run = find_run_folder(path)
     if run is not None:
-        return f"{path}: no finished cell yet (`fednorm resume {run}` finishes it)"
+        return f"{path}: no finished cell yet; finish it: {resume_command(run)}"
     runs = sorted({p.parent for p in path.glob(f"**/{store.CONFIG_FILE}")})
     if runs:
-        return (f"{path}: none of its {len(runs)} run folder(s) has a finished cell yet (`fednorm resume RUN` "
-                f"finishes one, e.g. `fednorm resume {runs[0]}`)")
+        return (f"{path}: none of its {len(runs)} run folder(s) has a finished cell yet; resume one, e.g. "
+                f"{resume_command(runs[0])}")
     return (f"{path} holds no run (no {store.CONFIG_FILE} in it, above it or below it): give run folders written by "
             "`fednorm run --out`")
 
@@ -311,7 +311,7 @@ def collect_runs(run_dirs: list[Path], split_by: str | None = None, best_from_me
     Raises :class:`~fednorm.runs.runner.RunError` for a folder that does not exist, and for ``split_by`` with a
     cell outside any run folder; :class:`~fednorm.runs.config.ConfigError` for an unknown ``split_by`` key."""
     from .config import ConfigError
-    from .runner import RunError, find_run_folder, load_run_config
+    from .runner import RunError, find_run_folder, load_run_config, resume_command
 
     out = Collected()
     configs: dict[Path, object] = {}  # run folder -> its config (None: unreadable, noted once)
@@ -409,7 +409,7 @@ def collect_runs(run_dirs: list[Path], split_by: str | None = None, best_from_me
         if missing:
             out.notes.append(f"{run_dir}: {len(missing)} of its {len(expected)} cells have not finished "
                              f"({', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}); "
-                             f"`fednorm resume {run_dir}` finishes them")
+                             f"finish them: {resume_command(run_dir)}")
         if short:
             out.notes.append(f"{run_dir}: its config asks for {config.federation.rounds} rounds; "
                              f"{', '.join(short[:6])} finished fewer (an extension still going?)")

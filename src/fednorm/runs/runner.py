@@ -589,38 +589,48 @@ def config_fingerprint(config: ExperimentConfig) -> dict[str, str]:
     return out
 
 
+def trained_by(run_dir: Path) -> str:
+    """The engine (in-process or flower) that trains the run in ``run_dir``, as run.json records it. Runs begun
+    before run.json named the engine: a Flower run is known by its flower.json (written when it finished), its
+    participation logs (written every round) or its checkpoints (marked "engine": "flower")."""
+    run_dir = Path(run_dir)
+    info_path = run_dir / RUN_INFO_FILE
+    engine = json.loads(info_path.read_text()).get("engine") if info_path.exists() else None
+    if engine is not None:
+        return engine
+    flower = (run_dir / store.FLOWER_INFO_FILE).exists() or any(run_dir.glob(f"*/seed*/{store.PARTICIPATION_FILE}"))
+    for checkpoint in [] if flower else sorted(run_dir.glob(f"*/seed*/{store.CHECKPOINT_FILE}"))[:1]:
+        try:  # memory-mapped: only the mark is read
+            state = torch.load(checkpoint, map_location="cpu", weights_only=False, mmap=True)
+            flower = state.get("engine") == "flower"
+        except Exception:  # noqa: BLE001 - an unreadable checkpoint tells nothing; its own resume says so
+            pass
+    return "flower" if flower else "in-process"
+
+
+def resume_command(run_dir: Path) -> str:
+    """How to resume the run in ``run_dir``, for the engine that trains it."""
+    if trained_by(run_dir) != "flower":
+        return f"`fednorm resume {run_dir}`"
+    # the runtimes keep the clients' state in different places (sim: RUN/node_state, local: its --workdir,
+    # a deployment: each node's state-dir), so the one that started the run must resume it
+    return (f"with the Flower runtime that started it: `fednorm flower sim --out {run_dir} --resume`, "
+            f"`fednorm flower local --out {run_dir} --resume` (with the --workdir it ran with, default "
+            f"{run_dir}-flower), or `fednorm flower app APP_DIR --out {run_dir} --resume` and `flwr run` "
+            "(docs/flower.md, 3.9); a Flower resume cannot add rounds")
+
+
 def check_engine(run_dir: Path, engine: str) -> None:
     """Refuse to resume with ``engine`` (in-process or flower) a run another engine trained: a Flower run's clients
     keep their state (FedBN's BN layers, SCAFFOLD's control variates) and data on their nodes, and its checkpoints
     hold the server's state only, so the in-process engine would go on with clients it never had; an in-process
-    run's nodes would have none of its clients' state. Runs begun before run.json named the engine: a Flower run
-    is known by its flower.json (written when it finished), its participation logs (written every round) or its
-    checkpoints (marked "engine": "flower")."""
+    run's nodes would have none of its clients' state."""
     run_dir = Path(run_dir)
-    info_path = run_dir / RUN_INFO_FILE
-    trained_by = json.loads(info_path.read_text()).get("engine") if info_path.exists() else None
-    if trained_by is None:
-        flower = (run_dir / store.FLOWER_INFO_FILE).exists() or any(run_dir.glob(f"*/seed*/{store.PARTICIPATION_FILE}"))
-        for checkpoint in [] if flower else sorted(run_dir.glob(f"*/seed*/{store.CHECKPOINT_FILE}"))[:1]:
-            try:  # memory-mapped: only the mark is read
-                state = torch.load(checkpoint, map_location="cpu", weights_only=False, mmap=True)
-                flower = state.get("engine") == "flower"
-            except Exception:  # noqa: BLE001 - an unreadable checkpoint tells nothing; its own resume says so
-                pass
-        trained_by = "flower" if flower else "in-process"
-    if trained_by == engine:
+    engine_of_run = trained_by(run_dir)
+    if engine_of_run == engine:
         return
-    if trained_by == "flower":
-        # the runtimes keep the clients' state in different places (sim: RUN/node_state, local: its --workdir,
-        # a deployment: each node's state-dir), so the one that started the run must resume it
-        how = (f"with the Flower runtime that started it: `fednorm flower sim --out {run_dir} --resume`, "
-               f"`fednorm flower local --out {run_dir} --resume` (with the --workdir it ran with, default "
-               f"{run_dir}-flower), or `fednorm flower app APP_DIR --out {run_dir} --resume` and `flwr run` "
-               "(docs/flower.md, 3.9); a Flower resume cannot add rounds")
-    else:
-        how = f"`fednorm resume {run_dir}`"
-    raise RunError(f"{run_dir} is a run of the {trained_by} engine, not of the {engine} one: its clients' state "
-                   f"stays with the engine that trained them, so resume it there: {how}")
+    raise RunError(f"{run_dir} is a run of the {engine_of_run} engine, not of the {engine} one: its clients' state "
+                   f"stays with the engine that trained them, so resume it there: {resume_command(run_dir)}")
 
 
 def check_config_unchanged(run_dir: Path, config: ExperimentConfig, engine: str = "in-process") -> None:

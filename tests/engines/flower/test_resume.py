@@ -170,6 +170,13 @@ def test_each_engine_resumes_only_its_own_runs(tmp_path):
             resume_run(tmp_path / "flower")
     assert (cell / store.METRICS_FILE).read_text() == before
     assert store.load_checkpoint(cell / store.CHECKPOINT_FILE)["round"] == 2
+    # what points to a resume elsewhere (here `fednorm report` of the unfinished run) names the Flower one too
+    from typer.testing import CliRunner
+
+    from fednorm.cli.main import app
+    result = CliRunner().invoke(app, ["report", str(tmp_path / "flower")], terminal_width=400)
+    assert result.exit_code == 2 and "fednorm flower sim --out" in result.output
+    assert "fednorm resume" not in result.output
     run_flower(config, tmp_path / "flower", str(tmp_path / "node_state"), resume=True)  # its own engine goes on
     assert store.load_checkpoint(cell / store.CHECKPOINT_FILE)["round"] == 4
 
