@@ -294,10 +294,15 @@ def run_cell(
         except DivergenceError as err:
             if f.on_divergence != "record":
                 run_dir = cell.parent.parent
+                if trained_by(run_dir) == "flower":  # a Flower resume reads the config from the run folder
+                    how = (f"set `federation.on_divergence: record` in {run_dir / store.CONFIG_FILE} (an edit a resume "
+                           f"accepts) and resume {resume_command(run_dir).removeprefix('with ')}")
+                else:
+                    how = f"`fednorm resume {run_dir} --on-divergence record`"
                 raise DivergenceError(
                     f"{label} seed {seed} diverged in round {this_round}: {err}. The cells finished before it "
                     f"are kept. To record the divergence as this cell's outcome and go on with the next cells: "
-                    f"`fednorm resume {run_dir} --on-divergence record`") from err
+                    f"{how}") from err
             diverged = {"round": this_round, "reason": str(err)}
             if evals is None:
                 # in training: the server's model is still the last finite aggregate; clients that trained before

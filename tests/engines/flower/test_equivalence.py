@@ -6,7 +6,7 @@ from fednorm.engines.flower.app import make_client_app
 from fednorm.engines.flower.node import experiment_text
 from fednorm.engines.flower.server import FlowerOptions, ServerSettings, run_experiment
 from fednorm.runs import store
-from fednorm.runs.runner import start_run
+from fednorm.runs.runner import load_run_config, start_run
 
 from .conftest import tiny_config
 from .fakegrid import FakeGrid
@@ -142,5 +142,17 @@ def test_a_diverging_client_settles_as_in_process_by_on_divergence(tmp_path):
     stop = tiny_config(methods)
     grid = FakeGrid(make_client_app(), [{"client-index": i} for i in range(2)])
     with pytest.raises(DivergenceError, match=r"fedavg-lr1e9 seed 0 diverged in round \d: client .* "
-                                              "DivergenceError.*lower the learning rate"):
+                                              "DivergenceError.*lower the learning rate") as err:
         run_experiment(grid, ServerSettings(experiment_text(stop), str(tmp_path / "stop"), FlowerOptions(node_wait=5)))
+    # its way on is a Flower resume (the in-process `fednorm resume` refuses a Flower run), and it works: with the
+    # edit it names, the resumed run records the divergence and goes on, as if run with `record` from the start
+    assert "federation.on_divergence: record" in str(err.value) and "fednorm flower sim --out" in str(err.value)
+    assert "fednorm resume" not in str(err.value)
+    config_path = tmp_path / "stop" / store.CONFIG_FILE
+    config_path.write_text(config_path.read_text().replace("on_divergence: stop", "on_divergence: record"))
+    edited = load_run_config(tmp_path / "stop")
+    assert edited.federation.on_divergence == "record"
+    grid = FakeGrid(make_client_app(), [{"client-index": i} for i in range(2)])
+    run_experiment(grid, ServerSettings(experiment_text(edited), str(tmp_path / "stop"), FlowerOptions(node_wait=5),
+                                        resume=True))
+    assert metrics(tmp_path / "stop", config) == metrics(tmp_path / "flower", config)
