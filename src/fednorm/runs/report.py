@@ -220,8 +220,10 @@ def read_cells(run_dir: Path) -> list[tuple[Path, dict]]:
         try:
             cells.append((path.parent, json.loads(path.read_text())))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise store.CorruptFileError(f"cannot read {path} ({exc}); re-create it with `fednorm resume "
-                                         f"{path.parent.parent.parent}` or delete the cell folder") from exc
+            from .runner import resume_command
+            raise store.CorruptFileError(f"cannot read {path} ({exc}); re-create it by resuming the run, "
+                                         f"{resume_command(path.parent.parent.parent).removeprefix('with ')}, or "
+                                         "delete the cell folder") from exc
     return cells
 
 

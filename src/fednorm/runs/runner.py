@@ -296,7 +296,7 @@ def run_cell(
                 run_dir = cell.parent.parent
                 if trained_by(run_dir) == "flower":  # a Flower resume reads the config from the run folder
                     how = (f"set `federation.on_divergence: record` in {run_dir / store.CONFIG_FILE} (an edit a resume "
-                           f"accepts) and resume {resume_command(run_dir).removeprefix('with ')}")
+                           f"accepts) and resume {resume_command(run_dir)}")
                 else:
                     how = f"`fednorm resume {run_dir} --on-divergence record`"
                 raise DivergenceError(
@@ -600,7 +600,10 @@ def trained_by(run_dir: Path) -> str:
     participation logs (written every round) or its checkpoints (marked "engine": "flower")."""
     run_dir = Path(run_dir)
     info_path = run_dir / RUN_INFO_FILE
-    engine = json.loads(info_path.read_text()).get("engine") if info_path.exists() else None
+    try:
+        engine = json.loads(info_path.read_text()).get("engine") if info_path.exists() else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):  # the files below still tell
+        engine = None
     if engine is not None:
         return engine
     flower = (run_dir / store.FLOWER_INFO_FILE).exists() or any(run_dir.glob(f"*/seed*/{store.PARTICIPATION_FILE}"))

@@ -30,10 +30,10 @@ def test_instructions_round_trip():
 
 def test_cell_request_round_trips_and_an_older_servers_request_claims_no_client_state():
     cell = m.CellRequest("name: x", "FedBN", 2, "mnist", "mnist", ("test", "val"), ("fedbn_average",), round=7,
-                         run_id="abc", has_state=True)
+                         run_id="abc", state_round=5)
     assert m.CellRequest.decode(RecordDict({m.CELL: cell.record()})) == cell
     older = cell.record()
-    del older["has_state"], older["run_id"], older["external_modes"]  # a server of an earlier fednorm
+    del older["state_round"], older["run_id"], older["external_modes"]  # a server of an earlier fednorm
     assert m.CellRequest.decode(RecordDict({m.CELL: older})) == m.CellRequest(
         "name: x", "FedBN", 2, "mnist", "mnist", ("test", "val"), round=7)
 

@@ -2,6 +2,8 @@
 method whose clients keep state (FedBN's BN layers, SCAFFOLD's control variates), when the nodes keep that
 state on disk (node config ``state-dir``); without it, the resume of such a method is refused clearly."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -98,21 +100,60 @@ def test_two_runs_on_one_state_dir_keep_their_client_state_apart(tmp_path):
 
 @pytest.mark.parametrize("method", ["fedbn", "scaffold"])
 def test_a_resume_on_nodes_that_lack_the_clients_state_stops_and_loses_nothing(tmp_path, method):
-    # resumed with another runtime, or another state-dir, the nodes find none of the state their clients saved
-    # (FedBN's BN layers, SCAFFOLD's c_i): they must not start those clients afresh
+    # resumed with another runtime or state-dir, the nodes find none of the state their clients saved (FedBN's BN
+    # layers, SCAFFOLD's c_i); from an older backup of the state-dir, only stale state: they must not go on with it
     config = tiny_config(f"methods=[{method}]", "federation.rounds=4", "federation.eval_every=1",
                          "federation.checkpoint_every=2")
     start_run(config, tmp_path / "in_process")
-    state = str(tmp_path / "node_state")
+    state, backup = tmp_path / "node_state", tmp_path / "backup_after_round_1"
+
+    def back_up_then_stop(label, seed, rnd, rounds, last):
+        if rnd == 1:
+            shutil.copytree(state, backup)
+        if rnd == 3:
+            raise Stop()
     with pytest.raises(Stop):
-        run_flower(config, tmp_path / "flower", state, stop_at(3))
-    with pytest.raises(RunError, match="lacks the state that client saved on it.*ClientStateMissing"):
-        run_flower(config, tmp_path / "flower", str(tmp_path / "other_runtime_state"), resume=True)
+        run_flower(config, tmp_path / "flower", str(state), back_up_then_stop)
     checkpoint = store.load_checkpoint(tmp_path / "flower" / method / "seed0" / store.CHECKPOINT_FILE)
-    assert checkpoint["round"] == 2 and checkpoint["clients_with_state"] == ["rendered/neon", "rendered/print"]
-    run_flower(config, tmp_path / "flower", state, resume=True)  # the nodes that ran it go on, as if never stopped
+    assert checkpoint["round"] == 2 and checkpoint["clients_with_state"] == {"rendered/print": 2, "rendered/neon": 2}
+    with pytest.raises(RunError, match="lacks the state that client saved on it.*ClientStateMissing.*after round 2, "
+                                       "but it has none in state-dir"):
+        run_flower(config, tmp_path / "flower", str(tmp_path / "other_runtime_state"), resume=True)
+    with pytest.raises(RunError, match="ClientStateMissing.*after round 2, but its newest in state-dir .* is of round 1"):
+        run_flower(config, tmp_path / "flower", str(backup), resume=True)
+    assert store.load_checkpoint(tmp_path / "flower" / method / "seed0" / store.CHECKPOINT_FILE)["round"] == 2
+    run_flower(config, tmp_path / "flower", str(state), resume=True)  # the nodes that ran it go on, as if never stopped
     cell = f"{method}/seed0/{store.METRICS_FILE}"
     assert store.read_metrics(tmp_path / "flower" / cell) == store.read_metrics(tmp_path / "in_process" / cell)
+
+
+def test_a_run_whose_nodes_had_no_state_dir_is_not_resumed_on_nodes_with_one(tmp_path):
+    # the refusal below says to start the nodes with a state-dir; that makes later runs resumable, not this one:
+    # what its clients trained before died with the stopped run
+    config = tiny_config("federation.rounds=4", "federation.checkpoint_every=2")
+    with pytest.raises(Stop):
+        run_flower(config, tmp_path / "flower", None, stop_at(3))
+    with pytest.raises(RunError, match=r"\['rendered/neon', 'rendered/print'\] trained on nodes without a state-dir"):
+        run_flower(config, tmp_path / "flower", str(tmp_path / "node_state"), resume=True)
+    assert not (tmp_path / "node_state").exists()
+
+
+def test_a_recorded_divergence_does_not_count_the_diverged_round_as_saved_client_state(tmp_path):
+    # round 1: one client diverges, the other trains and its node saves its state of round 1; the round is not
+    # counted, so `record` evaluates the cell with the state as of round 0, of which that node rightly has no snapshot
+    from flwr.app import Error, Message, MessageType
+
+    def diverge_neon_in_round_1(node, message, reply):
+        if node == 101 and message.metadata.message_type == MessageType.TRAIN and message.metadata.group_id == "train-0":
+            return Message(Error(code=2, reason="DivergenceError: non-finite loss nan"), reply_to=message)
+        return reply
+    config = tiny_config("federation.rounds=3", "federation.on_divergence=record")
+    grid = FakeGrid(make_client_app(state_dir=str(tmp_path / "node_state")),
+                    [{"client-index": 0}, {"client-index": 1}], tamper=diverge_neon_in_round_1)
+    run_experiment(grid, ServerSettings(experiment_text(config), str(tmp_path / "flower"), FlowerOptions(node_wait=5)))
+    assert list((tmp_path / "node_state").rglob("round1.pt"))  # the other client trained and saved
+    records = store.read_metrics(tmp_path / "flower" / "fedbn" / "seed0" / store.METRICS_FILE)
+    assert {r["round"] for r in records if r.get("diverged")} == {1}  # the cell ends marked diverged in round 1
 
 
 def test_resume_without_node_state_is_refused_for_a_method_with_client_state(tmp_path):

@@ -81,15 +81,18 @@ class CellRequest:
     external_modes: tuple[str, ...] = ()  # an external client's evaluation: under these modes
     round: int = -1  # rounds completed when the message is sent (where a node's saved client state applies)
     run_id: str = ""  # the run folder's id (run.json): a node keeps each run's client state apart
-    # the client trained before, under a method whose clients keep state: its node must have that state saved
-    # (a node that has none was not the one that ran it; it must not start the client afresh)
-    has_state: bool = False
+    # rounds completed after the client last trained on a node that keeps its state on disk (state-dir), under a
+    # method whose clients keep state; -1: none. Its node must hold a snapshot of at least that round (one that
+    # has none, or only an older one, is not the node or state-dir that ran it: it must not start the client
+    # afresh or from stale state)
+    state_round: int = -1
 
     def record(self) -> ConfigRecord:
         return ConfigRecord({"experiment": self.experiment, "method": self.method, "seed": int(self.seed),
                              "client": self.client, "record_as": self.record_as or self.client,
                              "splits": list(self.splits), "external_modes": list(self.external_modes),
-                             "round": int(self.round), "run_id": self.run_id, "has_state": bool(self.has_state)})
+                             "round": int(self.round), "run_id": self.run_id,
+                             "state_round": int(self.state_round)})
 
     @classmethod
     def decode(cls, content: RecordDict) -> "CellRequest":
@@ -99,7 +102,7 @@ class CellRequest:
         return cls(str(record["experiment"]), str(record["method"]), int(record["seed"]), str(record["client"]),
                    str(record["record_as"]), tuple(str(s) for s in record["splits"]),
                    tuple(str(s) for s in record.get("external_modes", [])), int(record.get("round", -1)),
-                   str(record.get("run_id", "")), bool(record.get("has_state", False)))
+                   str(record.get("run_id", "")), int(record.get("state_round", -1)))
 
 
 # ------------------------------------------------------------------------------------------ instructions

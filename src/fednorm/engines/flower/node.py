@@ -52,10 +52,10 @@ class NodeConfigError(ValueError):
 
 
 class ClientStateMissing(RuntimeError):
-    """The server says a client trained before under a method whose clients keep state, and this node has none
-    of that state: the node is not the one that ran it (another runtime, another state-dir, a restart without
-    one). The server stops the run on this error (its name is the marker) rather than let the client start
-    afresh."""
+    """The server says a client saved state on this node (a method whose clients keep state, a node with a
+    state-dir) after a round this node has no snapshot of: it is not the node or state-dir that ran it (another
+    runtime, another state-dir, a restart without it, snapshots deleted or restored from an older backup). The
+    server stops the run on this error (its name is the marker) rather than let the client start afresh."""
 
 
 # ------------------------------------------------------------------------------------------ the experiment
@@ -274,19 +274,24 @@ class NodeClients:
     def _load_memory(context: Context, spec: NodeSpec, cell: m.CellRequest, client: str, at_round: int
                      ) -> ClientMemory:
         """The client's memory as of ``at_round`` completed rounds: from the state folder when the node has one
-        (it survives the run), else from ``Context.state``. None when the server knows the client has state
-        (``cell.has_state``) raises :class:`ClientStateMissing`."""
+        (it survives the run), else from ``Context.state``. Raises :class:`ClientStateMissing` when the server
+        knows of a newer snapshot (``cell.state_round``) than this node has."""
         prefix = m.memory_prefix(cell, client)
         if spec.state_dir and at_round >= 0:
-            memory = NodeStateStore(spec.state_dir).load(prefix, at_round)
+            nodes = NodeStateStore(spec.state_dir)
+            newest = max((r for r in nodes.rounds(prefix) if r <= at_round), default=None)
+            memory = nodes.load(prefix, at_round)
+            found = f"its newest in state-dir {spec.state_dir} is of round {newest}" if newest is not None else (
+                f"it has none in state-dir {spec.state_dir}")
         else:
             memory = m.load_memory(context.state, prefix)
-        if cell.has_state and not (memory.local_state or memory.optimizer_state is not None or memory.algorithm_state):
-            where = (f"its state-dir {spec.state_dir}" if spec.state_dir
-                     else "Flower's run context (this node has no state-dir)")
+            newest = cell.state_round if memory.local_state or memory.optimizer_state is not None \
+                or memory.algorithm_state else None
+            found = "this node has no state-dir and none in Flower's run context"
+        if cell.state_round >= 0 and (newest is None or newest < cell.state_round):
             raise ClientStateMissing(
-                f"client {client!r} trained before round {at_round + 1} of {cell.method} seed {cell.seed} and keeps "
-                f"state between rounds, but this node has none of it in {where}")
+                f"client {client!r} of {cell.method} seed {cell.seed} saved its state (kept between rounds) on "
+                f"its node after round {cell.state_round}, but {found}")
         return memory
 
     def query(self, message: Message, context: Context) -> Message:

@@ -17,7 +17,8 @@ Policy for bad replies (logged, and recorded per round in ``participation.jsonl`
 - if no reply remains, the global model and the client algorithm's server state stay as they were;
 - a node that missed a reply is left out of later rounds until its late reply arrives (it was slow, not
   dead) or a node holding its clients connects (a restarted SuperNode is asked for its roster at the next
-  round; its clients restart from the global model, their local state died with the old node).
+  round; without a state-dir its clients restart from the global model, their local state died with the old
+  node; with one they go on from their saved state, and a node lacking it stops the run).
 """
 
 from __future__ import annotations
@@ -216,8 +217,8 @@ class Roster:
                     raise RunError(f"client {e.name!r} is held by two nodes ({old} and {node}); give each SuperNode "
                                    "its own clients in --node-config")
                 if old is not None and old != node:
-                    log(WARNING, "fednorm: client %r is now held by node %s (its node %s was lost; its local "
-                        "state starts afresh)", e.name, node, old)
+                    log(WARNING, "fednorm: client %r is now held by node %s (its node %s was lost; local state "
+                        "kept only in the lost node's run context starts afresh)", e.name, node, old)
                 self.entries[e.index], self.node_of[e.name] = e, node
             log(INFO, "fednorm: node %s holds %s", node, [e.name for e in entries])
 
@@ -283,15 +284,17 @@ class FlowerEngine:
         self.participation_path = None if cell_dir is None else Path(cell_dir) / PARTICIPATION_FILE
         self._participation_checked = False  # rounds after the cell's checkpoint are dropped at the first write
         core = self.core
-        # clients whose node answered a train message of a method whose clients keep state (their BN layers,
-        # optimizer, control variates) and keeps that state on disk (node config state-dir): the node saved it
-        # (node.py, train), so every later message tells it the state must be there (CellRequest.has_state), and
-        # a node without it (another runtime or state-dir on resume, a restart without its state-dir) stops the
+        # under a method whose clients keep state (their BN layers, optimizer, control variates), a node that
+        # answers a train message has saved that state (node.py, train). On a node with a state-dir: every later
+        # message names the round it was saved after (client -> rounds completed, CellRequest.state_round), and a
+        # node without that snapshot (another runtime or state-dir on resume, a restart without it) stops the
         # run instead of starting the client afresh. A node without a state-dir promises no more than its run
-        # context: restarted, its clients start from the global model (docs/flower.md). Checkpointed.
+        # context: restarted, its clients start from the global model (docs/flower.md); but a resume cannot
+        # bring their state back (load_state_dict). Both are checkpointed.
         self.keeps_client_state = bool(core.local_keys or core.federation.persistent_optimizer
                                        or core.algorithm.stateful)
-        self.clients_with_state: set[str] = set()
+        self.clients_with_state: dict[str, int] = {}
+        self.clients_with_volatile_state: set[str] = set()
 
     @property
     def round(self) -> int:
@@ -300,7 +303,8 @@ class FlowerEngine:
     # -------------------------------------------------------------- messages
     def _cell(self, client: str, record_as: str = "", splits: tuple[str, ...] = ()) -> m.CellRequest:
         return m.CellRequest(self.experiment, self.label, self.seed, client, record_as or client, splits,
-                             round=self.core.round, run_id=self.run_id, has_state=client in self.clients_with_state)
+                             round=self.core.round, run_id=self.run_id,
+                             state_round=self.clients_with_state.get(client, -1))
 
     def _global(self) -> ArrayRecord:
         return m.to_arrays({k: self.core.global_state[k] for k in self.core.shared_keys})
@@ -340,8 +344,8 @@ class FlowerEngine:
                 f"saved on it ({reason}). Clients keep this state on the nodes that trained them: resume a run with "
                 "the Flower runtime and nodes that started it (sim: RUN/node_state; local: its --workdir; a "
                 "deployment: each SuperNode with the same state-dir), and restart a SuperNode with the state-dir it "
-                "had (docs/flower.md, 3.9). Nothing was trained with the missing state; the run resumes from its "
-                "last checkpoint")
+                "had (docs/flower.md, 3.9). Nothing was aggregated with the missing state: once the nodes are right, "
+                "resume the run, which goes on from its last checkpoint")
         return replies, dropped
 
     # -------------------------------------------------------------- rounds
@@ -357,9 +361,6 @@ class FlowerEngine:
             m.GLOBAL: shared, m.SERVER_STATE: server_state, m.INPUT_STATE: input_state}))
             for client, instructions in plan]
         replies, dropped = self._send(MessageType.TRAIN, sends, group=f"train-{r}")
-        if self.keeps_client_state:
-            persistent = {e.name for e in self.roster.entries.values() if e.persistent}
-            self.clients_with_state |= set(replies) & persistent
         # a node whose local training raised DivergenceError (NaN/inf loss) answers with an error naming it
         # (flwr: "<class '...DivergenceError'>:<'...'>"). As in-process, that is the run's divergence, which
         # federation.on_divergence settles (runner.run_cell: stop with an error, or record the cell), not a faulty
@@ -368,6 +369,11 @@ class FlowerEngine:
         diverged = next(((name, reason) for name, reason in dropped.items() if "DivergenceError" in reason), None)
         if diverged:
             raise DivergenceError(f"client {diverged[0]!r}, on its node: {diverged[1]}")
+        if self.keeps_client_state:  # after the divergence check: a diverged round is not counted (its snapshots
+            # of round r + 1 are redone or never read), and `record` evaluates the cell as of round r
+            persistent = {e.name for e in self.roster.entries.values() if e.persistent}
+            self.clients_with_state.update({name: r + 1 for name in replies if name in persistent})
+            self.clients_with_volatile_state |= {name for name in replies if name not in persistent}
         if core.shared_keys:
             # validate() checks replies against this round's global state
             core.server.begin(core.global_state, lr=core.training.lr_at(core.round))
@@ -571,7 +577,8 @@ class FlowerEngine:
     def state_dict(self) -> dict:
         """The server's state (global model, server optimizer, client algorithm server state); the clients'
         local state is on their nodes and not in it."""
-        return {**self.core.state_dict(), "engine": "flower", "clients_with_state": sorted(self.clients_with_state)}
+        return {**self.core.state_dict(), "engine": "flower", "clients_with_state": dict(self.clients_with_state),
+                "clients_with_volatile_state": sorted(self.clients_with_volatile_state)}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from the server's checkpoint. A method with client state needs it back from the nodes: every
@@ -585,9 +592,17 @@ class FlowerEngine:
                     "in Flower's run context only, which ended with the stopped run: start every SuperNode with "
                     "--node-config \"state-dir='DIR'\" (a folder on its machine) to make such runs resumable, "
                     "or delete the cell folder to rerun the cell")
+        lost = sorted(state.get("clients_with_volatile_state", []))
+        if lost:  # their nodes may have a state-dir now, but what they trained before is gone
+            raise RunError(
+                f"method {self.label!r} keeps state on each client, and {lost[:5]} trained on nodes without a "
+                "state-dir: that state ended with the stopped run, and a resume would start them afresh. Delete the "
+                "cell folder to rerun the cell, with every SuperNode started with --node-config \"state-dir='DIR'\" "
+                "so that the run can resume")
         self.core.load_state_dict(state)
-        # checkpoints written before fednorm recorded it: no client is known to have state (nothing is checked)
-        self.clients_with_state = set(state.get("clients_with_state", []))
+        # checkpoints written before fednorm recorded these: no client is known to have state (nothing is checked)
+        self.clients_with_state = {str(k): int(v) for k, v in dict(state.get("clients_with_state", {})).items()}
+        self.clients_with_volatile_state = set(state.get("clients_with_volatile_state", []))
 
 
 # ------------------------------------------------------------------------------------------ the ServerApp's main
