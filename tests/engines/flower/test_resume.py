@@ -138,9 +138,21 @@ def test_a_run_whose_nodes_had_no_state_dir_is_not_resumed_on_nodes_with_one(tmp
     assert not (tmp_path / "node_state").exists()
 
 
+def test_a_cell_stopped_after_its_last_round_finishes_on_a_resume_whatever_its_nodes_kept(tmp_path):
+    # a stop while the plots or the summary were written: its checkpoint is of the last round, and the resume
+    # only writes them; nothing is asked of the nodes, so their lost state does not matter
+    config = tiny_config("federation.rounds=2", "federation.eval_every=1")
+    run_flower(config, tmp_path / "flower", None)
+    cell = tmp_path / "flower" / "fedbn" / "seed0"
+    summary = (cell / store.SUMMARY_FILE).read_text()
+    (cell / store.SUMMARY_FILE).unlink()
+    run_flower(config, tmp_path / "flower", None, resume=True)
+    assert (cell / store.SUMMARY_FILE).read_text() == summary
+
+
 def test_a_recorded_divergence_does_not_count_the_diverged_round_as_saved_client_state(tmp_path):
-    # round 1: one client diverges, the other trains and its node saves its state of round 1; the round is not
-    # counted, so `record` evaluates the cell with the state as of round 0, of which that node rightly has no snapshot
+    # round 1: one client's reply is a divergence (both nodes trained and saved their state of round 1); the round
+    # is not counted, so `record` evaluates the cell with the state as of round 0, of which that node rightly has no snapshot
     from flwr.app import Error, Message, MessageType
 
     def diverge_neon_in_round_1(node, message, reply):
@@ -151,7 +163,7 @@ def test_a_recorded_divergence_does_not_count_the_diverged_round_as_saved_client
     grid = FakeGrid(make_client_app(state_dir=str(tmp_path / "node_state")),
                     [{"client-index": 0}, {"client-index": 1}], tamper=diverge_neon_in_round_1)
     run_experiment(grid, ServerSettings(experiment_text(config), str(tmp_path / "flower"), FlowerOptions(node_wait=5)))
-    assert list((tmp_path / "node_state").rglob("round1.pt"))  # the other client trained and saved
+    assert len(list((tmp_path / "node_state").rglob("round1.pt"))) == 2  # both nodes saved a snapshot of round 1
     records = store.read_metrics(tmp_path / "flower" / "fedbn" / "seed0" / store.METRICS_FILE)
     assert {r["round"] for r in records if r.get("diverged")} == {1}  # the cell ends marked diverged in round 1
 

@@ -285,9 +285,10 @@ class NodeClients:
                 f"it has none in state-dir {spec.state_dir}")
         else:
             memory = m.load_memory(context.state, prefix)
-            newest = cell.state_round if memory.local_state or memory.optimizer_state is not None \
-                or memory.algorithm_state else None
-            found = "this node has no state-dir and none in Flower's run context"
+            # a state_round is only ever given for state saved in a state-dir, which a node without one cannot
+            # hold: whatever its run context keeps of the client is older (it held the client before)
+            newest = None
+            found = "this node has no state-dir"
         if cell.state_round >= 0 and (newest is None or newest < cell.state_round):
             raise ClientStateMissing(
                 f"client {client!r} of {cell.method} seed {cell.seed} saved its state (kept between rounds) on "

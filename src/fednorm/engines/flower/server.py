@@ -373,7 +373,9 @@ class FlowerEngine:
             # of round r + 1 are redone or never read), and `record` evaluates the cell as of round r
             persistent = {e.name for e in self.roster.entries.values() if e.persistent}
             self.clients_with_state.update({name: r + 1 for name in replies if name in persistent})
-            self.clients_with_volatile_state |= {name for name in replies if name not in persistent}
+            # a client that trained on a node with a state-dir since has its state on disk from then on
+            self.clients_with_volatile_state = ((self.clients_with_volatile_state - set(replies))
+                                                | {name for name in replies if name not in persistent})
         if core.shared_keys:
             # validate() checks replies against this round's global state
             core.server.begin(core.global_state, lr=core.training.lr_at(core.round))
@@ -582,9 +584,10 @@ class FlowerEngine:
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from the server's checkpoint. A method with client state needs it back from the nodes: every
-        training client's node must keep it on disk (node config ``state-dir``, :mod:`.node_state`)."""
-        method = self.core.method
-        if method.stateful_clients or self.core.federation.persistent_optimizer:
+        training client's node must keep it on disk (node config ``state-dir``, :mod:`.node_state`). A cell whose
+        training is over (a stop while its plots or summary were written) needs nothing from the nodes."""
+        still_trains = int(state["round"]) < self.core.federation.rounds
+        if self.keeps_client_state and still_trains:
             volatile = sorted(e.name for e in self.roster.entries.values() if not e.external and not e.persistent)
             if volatile:
                 raise RunError(
@@ -593,7 +596,7 @@ class FlowerEngine:
                     "--node-config \"state-dir='DIR'\" (a folder on its machine) to make such runs resumable, "
                     "or delete the cell folder to rerun the cell")
         lost = sorted(state.get("clients_with_volatile_state", []))
-        if lost:  # their nodes may have a state-dir now, but what they trained before is gone
+        if lost and still_trains:  # their nodes may have a state-dir now, but what they trained before is gone
             raise RunError(
                 f"method {self.label!r} keeps state on each client, and {lost[:5]} trained on nodes without a "
                 "state-dir: that state ended with the stopped run, and a resume would start them afresh. Delete the "
