@@ -35,7 +35,7 @@ from ..methods.external import (
 )
 from . import store
 from .runner import (RunError, build_engine, build_federation_data, load_cell_state, load_run_config, run_data_dir,
-                     split_external)
+                     split_external, trained_by)
 
 ROWS_FILE = "unifed_ablation.json"
 TABLE_FILE = "unifed_ablation.md"
@@ -111,16 +111,32 @@ def iter_ablation(
                 if rows_left:
                     missing.append((m, s, rows_left))
     total, done = sum(len(left) for *_, left in missing), 0
+    flower = trained_by(run_dir) == "flower"
     for method_cfg, seed, rows_left in missing:
         engine = build_engine(config, method_cfg, seed, clients)
-        path = store.cell_dir(run_dir, method_cfg.display, seed) / state_file
+        cell = store.cell_dir(run_dir, method_cfg.display, seed)
         # the global model and test-time statistics need the server's state only; FedBN App. G's row averages the
-        # internal clients' own BN affine parameters where the method keeps them local
-        load_cell_state(engine, path, "fednorm external-ablation", client_state=engine.bn_affine_is_local)
+        # internal clients' own BN affine parameters where the method keeps them local. A Flower checkpoint has
+        # none (they stay on the nodes), but the run itself scored that row at every evaluation, the server
+        # averaging the affine parameters the nodes sent (docs/flower.md): the row is read from its metrics, at
+        # the checkpoint's round (the same computation: the run's fedbn_average uses App. G's own statistics)
+        from_run = flower and engine.bn_affine_is_local
+        load_cell_state(engine, cell / state_file, "fednorm external-ablation",
+                        client_state=engine.bn_affine_is_local and not from_run)
+        recorded = {r["client"]: r["acc"] for r in store.read_metrics(cell / store.METRICS_FILE)
+                    if r["split"] == "test" and r["round"] == engine.round} if from_run else {}
         prepare = engine.runner.evaluation_prepare(engine.input_state)
         label = f"{method_cfg.display}/seed{seed}"
         rows: list[Row] = []
         for client, (name, mode, bn) in rows_left:
+            if from_run and mode == "fedbn_average":
+                score = recorded.get(f"{client.name}:{mode}")  # None: the run's external.modes left it out
+                if score is not None:
+                    rows.append((label, name, client.name, 100 * score))
+                done += 1
+                if progress:
+                    progress(done, total)
+                continue
             # as the run evaluates (Per-FedAvg adapts first and leaves its adaptation samples out)
             result = engine.evaluate_external_client(client, mode, bn, prepare)
             if result is not None:  # None: no test sample left after Per-FedAvg's adaptation samples

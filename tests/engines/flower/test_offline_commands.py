@@ -23,15 +23,24 @@ def test_commands_that_score_clients_with_their_own_bn_refuse_a_flower_checkpoin
     in_process_and_flower(tmp_path, config, NODES)
     flower = tmp_path / "flower"
     for command, call in [("rescore", lambda: rescore_run(flower)),
-                          ("landscape", lambda: landscape_of_cell(flower, "fedbn", points=3, samples=8)),
-                          ("external-ablation", lambda: run_ablation(flower))]:
+                          ("landscape", lambda: landscape_of_cell(flower, "fedbn", points=3, samples=8))]:
         with pytest.raises(RunError, match=rf"from a Flower run: it holds the server's state only, and the clients "
                                            rf"of 'fedbn' keep their own BN state .* `fednorm {command}` needs .*"
                                            rf"fednorm run .*flower/config.yaml --out NEW_DIR"):
             call()
     assert not list(flower.glob("fedbn/seed0/landscape*")) and not list(flower.glob("*rescore*"))
-    assert not list(flower.glob("unifed_ablation*"))
     rescore_run(tmp_path / "in_process")  # the same cell trained in-process has its clients' state
+
+
+def test_the_external_ablation_of_a_flower_fedbn_cell_reads_app_g_from_the_run(tmp_path):
+    """FedBN App. G's row averages the clients' own BN affine parameters, which stay on the nodes; the Flower run
+    scored it from what the nodes sent, so the ablation reads it from the run's metrics and computes the other
+    rows (global model, test-time statistics) from the server's state: every row as in-process."""
+    config = tiny_config("methods=[fedbn]", "federation.rounds=2", "external.domains=[rendered/street]")
+    in_process_and_flower(tmp_path, config, NODES)
+    rows = ablation_rows(tmp_path / "flower")
+    assert rows == ablation_rows(tmp_path / "in_process")
+    assert [r for r in rows if r[1] == "fedbn_average (App. G)"]  # the row is there, not dropped
 
 
 def test_what_needs_only_the_servers_state_gives_the_in_process_numbers_from_a_flower_run(tmp_path):
