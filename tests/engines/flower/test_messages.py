@@ -28,14 +28,15 @@ def test_instructions_round_trip():
     assert m.decode_instructions(RecordDict({m.INSTRUCTIONS: m.instructions_record(ins)})) == ins
 
 
-def test_cell_request_round_trips_and_an_older_servers_request_claims_no_client_state():
+def test_cell_request_round_trips_and_an_older_servers_request_names_no_snapshot():
     cell = m.CellRequest("name: x", "FedBN", 2, "mnist", "mnist", ("test", "val"), ("fedbn_average",), round=7,
                          run_id="abc", state_round=5)
     assert m.CellRequest.decode(RecordDict({m.CELL: cell.record()})) == cell
     older = cell.record()
     del older["state_round"], older["run_id"], older["external_modes"]  # a server of an earlier fednorm
-    assert m.CellRequest.decode(RecordDict({m.CELL: older})) == m.CellRequest(
-        "name: x", "FedBN", 2, "mnist", "mnist", ("test", "val"), round=7)
+    back = m.CellRequest.decode(RecordDict({m.CELL: older}))
+    assert back == m.CellRequest("name: x", "FedBN", 2, "mnist", "mnist", ("test", "val"), round=7)
+    assert back.state_round == m.UNKNOWN_CLIENT_STATE != m.NO_CLIENT_STATE  # the node's newest, not "none"
 
 
 def test_reply_round_trip_and_the_server_weight_wins():

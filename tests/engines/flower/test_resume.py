@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fednorm.engines.client_step import ClientMemory
+from fednorm.engines.flower import messages as m
 from fednorm.engines.flower.app import make_client_app
 from fednorm.engines.flower.node import experiment_text
 from fednorm.engines.flower.node_state import NodeStateStore
@@ -53,8 +54,22 @@ def test_node_state_store_reads_the_newest_snapshot_at_or_before_a_round(tmp_pat
     assert nodes.rounds("m/seed0/c") == [4, 5]                 # its old round 6 belongs to a future that is redone
 
 
-def run_flower(config, out, state_dir, progress=None, resume=False):
-    grid = FakeGrid(make_client_app(state_dir=state_dir), [{"client-index": 0}, {"client-index": 1}])
+def test_node_state_store_writing_a_snapshot_drops_the_ones_after_the_snapshot_it_started_from(tmp_path):
+    nodes = NodeStateStore(tmp_path)
+    for r in (2, 3, 4):  # round 3 and 4: of a run stopped after round 4, resumed from its round-2 checkpoint
+        nodes.save("m/seed0/c", r, memory(r), checkpoint_every=2)
+    # the resumed run left the client out of round 3; it trains in round 5 from the round-2 snapshot the server names
+    assert nodes.read("m/seed0/c", 2).local_state["bn.weight"].tolist() == [2.0, 2.0]
+    nodes.save("m/seed0/c", 5, memory(5), checkpoint_every=2, started_from=2)
+    assert nodes.rounds("m/seed0/c") == [2, 5]  # round 3 and 4 were of the abandoned run: gone
+    nodes.save("m/seed0/c", 6, memory(6), checkpoint_every=2, started_from=-1)  # the server: no state saved
+    assert nodes.rounds("m/seed0/c") == [6]
+    nodes.save("m/seed0/c", 7, memory(7), checkpoint_every=2)  # an older server names none: only newer ones go
+    assert nodes.rounds("m/seed0/c") == [6, 7]
+
+
+def run_flower(config, out, state_dir, progress=None, resume=False, grid=None):
+    grid = grid or FakeGrid(make_client_app(state_dir=state_dir), [{"client-index": 0}, {"client-index": 1}])
     run_experiment(grid, ServerSettings(experiment_text(config), str(out), FlowerOptions(node_wait=5), resume=resume),
                    progress)
 
@@ -81,6 +96,25 @@ def test_a_stopped_flower_run_with_client_state_resumes_to_the_in_process_number
     rounds = [r["round"] for r in store.read_metrics(tmp_path / "flower" / method / "seed0" / PARTICIPATION_FILE)
               if r["kind"] == "train"]
     assert rounds == [1, 2, 3, 4]
+
+
+def test_a_checkpoint_of_an_earlier_fednorm_resumes_with_the_nodes_newest_snapshots(tmp_path):
+    # written before the server recorded which snapshot each client saved: it cannot name them, and the nodes take
+    # their newest at or before the round (what fednorm then did), not "no state"
+    config = tiny_config("methods=[fedbn]", "federation.rounds=4", "federation.eval_every=1",
+                         "federation.checkpoint_every=2")
+    start_run(config, tmp_path / "in_process")
+    with pytest.raises(Stop):
+        run_flower(config, tmp_path / "flower", str(tmp_path / "node_state"), stop_at(3))
+    path = tmp_path / "flower" / "fedbn" / "seed0" / store.CHECKPOINT_FILE
+    older = store.load_checkpoint(path)
+    for key in ("clients_with_state", "clients_with_volatile_state", "client_state_unrecorded"):
+        del older[key]
+    store.save_checkpoint(path, older)
+    run_flower(config, tmp_path / "flower", str(tmp_path / "node_state"), resume=True)
+    cell = f"fedbn/seed0/{store.METRICS_FILE}"
+    assert store.read_metrics(tmp_path / "flower" / cell) == store.read_metrics(tmp_path / "in_process" / cell)
+    assert store.load_checkpoint(path)["client_state_unrecorded"] is True  # kept for the next resume
 
 
 def test_two_runs_on_one_state_dir_keep_their_client_state_apart(tmp_path):
@@ -119,12 +153,74 @@ def test_a_resume_on_nodes_that_lack_the_clients_state_stops_and_loses_nothing(t
     with pytest.raises(RunError, match="lacks the state that client saved on it.*ClientStateMissing.*after round 2, "
                                        "but it has none in state-dir"):
         run_flower(config, tmp_path / "flower", str(tmp_path / "other_runtime_state"), resume=True)
-    with pytest.raises(RunError, match="ClientStateMissing.*after round 2, but its newest in state-dir .* is of round 1"):
+    with pytest.raises(RunError, match=r"ClientStateMissing.*after round 2, but state-dir .* holds no snapshot of that "
+                                       r"round \(its snapshots of the client: rounds \[1\]\)"):
         run_flower(config, tmp_path / "flower", str(backup), resume=True)
     assert store.load_checkpoint(tmp_path / "flower" / method / "seed0" / store.CHECKPOINT_FILE)["round"] == 2
     run_flower(config, tmp_path / "flower", str(state), resume=True)  # the nodes that ran it go on, as if never stopped
     cell = f"{method}/seed0/{store.METRICS_FILE}"
     assert store.read_metrics(tmp_path / "flower" / cell) == store.read_metrics(tmp_path / "in_process" / cell)
+
+
+def test_a_client_left_out_of_a_redone_round_does_not_go_on_from_the_abandoned_runs_snapshot(tmp_path):
+    # stopped after round 3 (checkpoint of round 2): the nodes hold each client's snapshot of round 3. The resumed
+    # run loses the node of rendered/neon for round 3 and gets it back for round 4: the client must go on from its
+    # round-2 state, not from the round-3 snapshot of the run that was stopped
+    config = tiny_config("methods=[fedbn]", "federation.rounds=5", "federation.eval_every=1",
+                         "federation.checkpoint_every=2")
+    state = tmp_path / "node_state"
+    with pytest.raises(Stop):
+        run_flower(config, tmp_path / "flower", str(state), stop_at(3))
+    shutil.copytree(tmp_path / "flower", tmp_path / "flower_fresh_nodes")
+    fresh_nodes = tmp_path / "node_state_without_the_abandoned_rounds"
+    shutil.copytree(state, fresh_nodes, ignore=shutil.ignore_patterns("round3.pt"))
+    assert len(list(state.rglob("round3.pt"))) == 2 and not list(fresh_nodes.rglob("round3.pt"))
+
+    def resume(out, state_dir):
+        grid = FakeGrid(make_client_app(state_dir=str(state_dir)), [{"client-index": 0}, {"client-index": 1}])
+
+        def lose_neon_in_round_3(label, seed, rnd, rounds, last):
+            if rnd == 2:
+                grid.offline.add(101)
+            if rnd == 3:
+                grid.offline.discard(101)
+        run_flower(config, out, None, lose_neon_in_round_3, resume=True, grid=grid)
+        cell = out / "fedbn" / "seed0"
+        used = [r["used"] for r in store.read_metrics(cell / PARTICIPATION_FILE) if r["kind"] == "train"]
+        return store.read_metrics(cell / store.METRICS_FILE), used
+    metrics, used = resume(tmp_path / "flower", state)
+    assert used[2:] == [["rendered/print"], ["rendered/print", "rendered/neon"], ["rendered/print", "rendered/neon"]]
+    assert (metrics, used) == resume(tmp_path / "flower_fresh_nodes", fresh_nodes)
+
+
+def test_a_scaffold_client_whose_reply_was_left_out_goes_on_from_its_state_before_it(tmp_path):
+    # SCAFFOLD's server control variate c moves by the used replies only (c += |S|/N mean dc_i): it stays the mean
+    # of the clients' c_i only if a client whose reply was left out also keeps its c_i of before
+    from flwr.app import MessageType
+
+    def corrupt_neon_in_round_2(node, message, reply):
+        if node == 101 and message.metadata.message_type == MessageType.TRAIN and message.metadata.group_id == "train-1":
+            state = m.from_arrays(reply.content, m.STATE)
+            next(v for v in state.values() if v.is_floating_point()).view(-1)[0] = float("nan")
+            reply.content[m.STATE] = m.to_arrays(state)
+        return reply
+    config = tiny_config("methods=[scaffold]", "federation.rounds=3", "federation.checkpoint_every=1")
+    state = tmp_path / "node_state"
+    grid = FakeGrid(make_client_app(state_dir=str(state)), [{"client-index": 0}, {"client-index": 1}],
+                    tamper=corrupt_neon_in_round_2)
+    run_flower(config, tmp_path / "flower", None, grid=grid)
+    cell = tmp_path / "flower" / "scaffold" / "seed0"
+    used = [r["used"] for r in store.read_metrics(cell / PARTICIPATION_FILE) if r["kind"] == "train"]
+    assert used == [["rendered/print", "rendered/neon"], ["rendered/print"], ["rendered/print", "rendered/neon"]]
+    checkpoint = store.load_checkpoint(cell / store.CHECKPOINT_FILE)
+    assert checkpoint["clients_with_state"] == {"rendered/print": 3, "rendered/neon": 3}
+    c_global = checkpoint["algorithm_server_state"]
+    c_clients = [NodeStateStore(state).read(str(p.parent.relative_to(state)), 3).algorithm_state
+                 for p in sorted(state.rglob("round3.pt"))]
+    assert len(c_clients) == 2 and c_global
+    for k, c in c_global.items():
+        mean_c_i = torch.stack([ci["c_i." + k.removeprefix("c.")] for ci in c_clients]).mean(dim=0)
+        torch.testing.assert_close(c, mean_c_i, rtol=0, atol=1e-6)
 
 
 def test_a_run_whose_nodes_had_no_state_dir_is_not_resumed_on_nodes_with_one(tmp_path):

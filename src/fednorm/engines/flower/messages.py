@@ -45,6 +45,8 @@ BN_COUNTS = "bn_counts"
 ROSTER = "roster"
 BN_AFFINE = "bn_affine"  # a client's BN weight and bias (FedBN App. G's average for external clients)
 EVAL_PREFIX = "eval."
+NO_CLIENT_STATE = -1  # CellRequest.state_round: the client has saved no state in the run's history
+UNKNOWN_CLIENT_STATE = -2  # CellRequest.state_round: the server does not say (the node's newest snapshot)
 
 
 # ------------------------------------------------------------------------------------------ tensors
@@ -81,11 +83,14 @@ class CellRequest:
     external_modes: tuple[str, ...] = ()  # an external client's evaluation: under these modes
     round: int = -1  # rounds completed when the message is sent (where a node's saved client state applies)
     run_id: str = ""  # the run folder's id (run.json): a node keeps each run's client state apart
-    # rounds completed after the client last trained on a node that keeps its state on disk (state-dir), under a
-    # method whose clients keep state; -1: none. Its node must hold a snapshot of at least that round (one that
-    # has none, or only an older one, is not the node or state-dir that ran it: it must not start the client
-    # afresh or from stale state)
-    state_round: int = -1
+    # which snapshot of the client's state (kept between rounds, under a method whose clients keep state) the node
+    # must use: the rounds completed when the client last trained on a node that keeps its state on disk
+    # (state-dir), as of the run's accepted history. NO_CLIENT_STATE: it has none (it starts from the global
+    # model, whatever the node holds: snapshots of rounds a resumed run redoes are stale). UNKNOWN_CLIENT_STATE:
+    # the server does not say (an older fednorm, or a checkpoint written before it recorded this): the newest
+    # snapshot at or before ``round``. A node that lacks the named snapshot is not the node or state-dir that ran
+    # it: it must not start the client afresh or from other state
+    state_round: int = UNKNOWN_CLIENT_STATE
 
     def record(self) -> ConfigRecord:
         return ConfigRecord({"experiment": self.experiment, "method": self.method, "seed": int(self.seed),
@@ -102,7 +107,7 @@ class CellRequest:
         return cls(str(record["experiment"]), str(record["method"]), int(record["seed"]), str(record["client"]),
                    str(record["record_as"]), tuple(str(s) for s in record["splits"]),
                    tuple(str(s) for s in record.get("external_modes", [])), int(record.get("round", -1)),
-                   str(record.get("run_id", "")), int(record.get("state_round", -1)))
+                   str(record.get("run_id", "")), int(record.get("state_round", UNKNOWN_CLIENT_STATE)))
 
 
 # ------------------------------------------------------------------------------------------ instructions

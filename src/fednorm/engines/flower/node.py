@@ -274,26 +274,26 @@ class NodeClients:
     def _load_memory(context: Context, spec: NodeSpec, cell: m.CellRequest, client: str, at_round: int
                      ) -> ClientMemory:
         """The client's memory as of ``at_round`` completed rounds: from the state folder when the node has one
-        (it survives the run), else from ``Context.state``. Raises :class:`ClientStateMissing` when the server
-        knows of a newer snapshot (``cell.state_round``) than this node has."""
+        (it survives the run), the snapshot the server names (``cell.state_round``); else from ``Context.state``.
+        Raises :class:`ClientStateMissing` when the node lacks the snapshot the server names."""
         prefix = m.memory_prefix(cell, client)
-        if spec.state_dir and at_round >= 0:
-            nodes = NodeStateStore(spec.state_dir)
-            newest = max((r for r in nodes.rounds(prefix) if r <= at_round), default=None)
-            memory = nodes.load(prefix, at_round)
-            found = f"its newest in state-dir {spec.state_dir} is of round {newest}" if newest is not None else (
-                f"it has none in state-dir {spec.state_dir}")
-        else:
-            memory = m.load_memory(context.state, prefix)
-            # a state_round is only ever given for state saved in a state-dir, which a node without one cannot
-            # hold: whatever its run context keeps of the client is older (it held the client before)
-            newest = None
-            found = "this node has no state-dir"
-        if cell.state_round >= 0 and (newest is None or newest < cell.state_round):
-            raise ClientStateMissing(
-                f"client {client!r} of {cell.method} seed {cell.seed} saved its state (kept between rounds) on "
-                f"its node after round {cell.state_round}, but {found}")
-        return memory
+        if not (spec.state_dir and at_round >= 0):
+            if cell.state_round >= 0:
+                # a state_round is only ever given for state saved in a state-dir, which a node without one cannot
+                # hold: whatever its run context keeps of the client is older (it held the client before)
+                raise ClientStateMissing(_missing(cell, client, "this node has no state-dir"))
+            return m.load_memory(context.state, prefix)
+        nodes = NodeStateStore(spec.state_dir)
+        if cell.state_round == m.UNKNOWN_CLIENT_STATE:  # an older server: the newest snapshot
+            return nodes.load(prefix, at_round)
+        if cell.state_round == m.NO_CLIENT_STATE:  # any snapshot is of rounds a resumed run redoes, or unused
+            return ClientMemory()
+        held = nodes.rounds(prefix)
+        if cell.state_round not in held:
+            found = (f"state-dir {spec.state_dir} holds no snapshot of that round (its snapshots of the client: "
+                     f"rounds {held})" if held else f"it has none in state-dir {spec.state_dir}")
+            raise ClientStateMissing(_missing(cell, client, found))
+        return nodes.read(prefix, cell.state_round)
 
     def query(self, message: Message, context: Context) -> Message:
         """A query message: the roster (no method named), or a client's BN affine parameters."""
@@ -344,8 +344,9 @@ class NodeClients:
         if spec.state_dir:
             if kept.local_state or kept.optimizer_state is not None or kept.algorithm_state:
                 config = load_experiment(cell.experiment)
+                started_from = None if cell.state_round == m.UNKNOWN_CLIENT_STATE else cell.state_round
                 NodeStateStore(spec.state_dir).save(prefix, instructions.round + 1, kept,
-                                                    config.federation.checkpoint_every)
+                                                    config.federation.checkpoint_every, started_from)
         else:
             m.save_memory(context.state, prefix, kept)
         return Message(m.encode_reply(reply, algorithm_message, result), reply_to=message)
@@ -381,6 +382,11 @@ class NodeClients:
             engine.eval_clients = [target]
             evals = engine.evaluate(cell.splits or ("test", "val"))
         return Message(m.encode_evaluations(evals), reply_to=message)
+
+
+def _missing(cell: m.CellRequest, client: str, found: str) -> str:
+    return (f"client {client!r} of {cell.method} seed {cell.seed} saved its state (kept between rounds) on its node "
+            f"after round {cell.state_round}, but {found}")
 
 
 def _check_global(shared: dict[str, torch.Tensor], shared_keys: list[str]) -> None:

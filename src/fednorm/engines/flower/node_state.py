@@ -4,10 +4,12 @@ Flower keeps a ClientApp's ``Context.state`` for one run only; a new ``flwr run`
 run) starts with an empty one. A node started with the node config ``state-dir=DIR`` therefore also writes
 each client's memory (:class:`~fednorm.engines.client_step.ClientMemory`: its local BN state, optimizer
 state, client-algorithm state) to ``DIR/fednorm/<run id>/<method>/seed<k>/<client>/round<r>.pt`` after round r
-(r rounds completed), and reads it back from there. The server resumes from its last checkpoint, which may
-be older than the node's newest snapshot; so a node reads the newest snapshot at or before the round it is
-asked about, deletes snapshots newer than the one it writes (they belong to rounds the resumed run redoes),
-and keeps the snapshots the server's last possible checkpoint may still need (``checkpoint_every``).
+(r rounds completed), and reads it back from there. The server names the snapshot to read
+(``CellRequest.state_round``: the round after which the client last trained in the run's accepted history).
+Other snapshots are not the client's state: newer ones belong to rounds a resumed run redoes (the server
+resumes from its last checkpoint, which may be older than the node's newest snapshot) or to replies the server
+did not use (late or malformed). Writing a snapshot deletes those (every snapshot after the one it started from)
+and keeps the older ones the server's last possible checkpoint may still name (``checkpoint_every``).
 The files never leave the node.
 """
 
@@ -39,12 +41,13 @@ class NodeStateStore:
             return []
         return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _SNAPSHOT.match(p.name)))
 
-    def load(self, prefix: str, at_round: int) -> ClientMemory:
-        """The memory as of ``at_round`` completed rounds: the newest snapshot at or before it (empty if none)."""
-        usable = [r for r in self.rounds(prefix) if r <= at_round]
-        if not usable:
-            return ClientMemory()
-        path = self._folder(prefix) / f"round{usable[-1]}.pt"
+    def newest(self, prefix: str, at_round: int) -> int | None:
+        """The newest snapshot's round at or before ``at_round`` (None if there is none)."""
+        return max((r for r in self.rounds(prefix) if r <= at_round), default=None)
+
+    def read(self, prefix: str, completed_round: int) -> ClientMemory:
+        """The snapshot written after ``completed_round`` rounds, which must exist."""
+        path = self._folder(prefix) / f"round{completed_round}.pt"
         try:
             saved = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - a corrupt snapshot gets one clear message
@@ -52,18 +55,30 @@ class NodeStateStore:
                                "from an earlier checkpoint, or restart the run") from exc
         return ClientMemory(saved["local_state"], saved["optimizer_state"], saved["algorithm_state"])
 
-    def save(self, prefix: str, completed_round: int, memory: ClientMemory, checkpoint_every: int = 1) -> None:
-        """Write the memory after ``completed_round`` rounds; drop newer snapshots (a redone future) and the
-        ones older than what the server's last checkpoint (a multiple of ``checkpoint_every`` before this
-        round) may need."""
+    def load(self, prefix: str, at_round: int) -> ClientMemory:
+        """The memory as of ``at_round`` completed rounds when the server does not name the snapshot (an older
+        fednorm): the newest snapshot at or before it (empty if none)."""
+        newest = self.newest(prefix, at_round)
+        return ClientMemory() if newest is None else self.read(prefix, newest)
+
+    def save(self, prefix: str, completed_round: int, memory: ClientMemory, checkpoint_every: int = 1,
+             started_from: int | None = None) -> None:
+        """Write the memory after ``completed_round`` rounds. Drop the snapshots after ``started_from`` (the one
+        this memory was read from, -1: none; None: unknown, then only the newer ones): they are of rounds a
+        resumed run redoes, or of replies the server did not use. Drop the ones older than what the server's
+        last checkpoint (a multiple of ``checkpoint_every`` before this round) may name."""
         folder = self._folder(prefix)
         folder.mkdir(parents=True, exist_ok=True)
         state = {"local_state": memory.local_state, "optimizer_state": memory.optimizer_state,
                  "algorithm_state": memory.algorithm_state}
         atomic_write_bytes(folder / f"round{completed_round}.pt", lambda fh: torch.save(state, fh))
+        after = completed_round if started_from is None else started_from
+        for r in self.rounds(prefix):
+            if r != completed_round and r > after:
+                (folder / f"round{r}.pt").unlink(missing_ok=True)
         rounds = self.rounds(prefix)
         oldest_checkpoint = max(0, ((completed_round - 1) // checkpoint_every) * checkpoint_every)
         needed = max([r for r in rounds if r <= oldest_checkpoint], default=None)
         for r in rounds:
-            if r > completed_round or (needed is not None and r < needed):
+            if needed is not None and r < needed:
                 (folder / f"round{r}.pt").unlink(missing_ok=True)

@@ -255,7 +255,8 @@ class Roster:
 
     def revive(self) -> None:
         """A lost node whose late reply has arrived is alive (only slow): it takes part again. Its late
-        replies are dropped (their round is over); the client keeps the training it did for them."""
+        replies are dropped (their round is over), and on a node with a state-dir the training the client did
+        for them too (FlowerEngine._count_client_state)."""
         for node, ids in list(self.lost.items()):
             if not ids or node not in self.online:
                 continue
@@ -295,6 +296,9 @@ class FlowerEngine:
                                        or core.algorithm.stateful)
         self.clients_with_state: dict[str, int] = {}
         self.clients_with_volatile_state: set[str] = set()
+        # resumed from a checkpoint written before fednorm recorded clients_with_state: for a client not in it, the
+        # server cannot name its snapshot (the node takes its newest, as fednorm then did)
+        self.client_state_unrecorded = False
 
     @property
     def round(self) -> int:
@@ -304,7 +308,13 @@ class FlowerEngine:
     def _cell(self, client: str, record_as: str = "", splits: tuple[str, ...] = ()) -> m.CellRequest:
         return m.CellRequest(self.experiment, self.label, self.seed, client, record_as or client, splits,
                              round=self.core.round, run_id=self.run_id,
-                             state_round=self.clients_with_state.get(client, -1))
+                             state_round=self._state_round(client))
+
+    def _state_round(self, client: str) -> int:
+        """The snapshot of ``client``'s state its node must read (CellRequest.state_round)."""
+        if client in self.clients_with_state:
+            return self.clients_with_state[client]
+        return m.UNKNOWN_CLIENT_STATE if self.client_state_unrecorded else m.NO_CLIENT_STATE
 
     def _global(self) -> ArrayRecord:
         return m.to_arrays({k: self.core.global_state[k] for k in self.core.shared_keys})
@@ -369,13 +379,6 @@ class FlowerEngine:
         diverged = next(((name, reason) for name, reason in dropped.items() if "DivergenceError" in reason), None)
         if diverged:
             raise DivergenceError(f"client {diverged[0]!r}, on its node: {diverged[1]}")
-        if self.keeps_client_state:  # after the divergence check: a diverged round is not counted (its snapshots
-            # of round r + 1 are redone or never read), and `record` evaluates the cell as of round r
-            persistent = {e.name for e in self.roster.entries.values() if e.persistent}
-            self.clients_with_state.update({name: r + 1 for name in replies if name in persistent})
-            # a client that trained on a node with a state-dir since has its state on disk from then on
-            self.clients_with_volatile_state = ((self.clients_with_volatile_state - set(replies))
-                                                | {name for name in replies if name not in persistent})
         if core.shared_keys:
             # validate() checks replies against this round's global state
             core.server.begin(core.global_state, lr=core.training.lr_at(core.round))
@@ -411,14 +414,31 @@ class FlowerEngine:
                 log(WARNING, "fednorm: round %s: the server update failed (%s); the global model stays as it was",
                     r + 1, exc)
                 kept = f"unchanged ({exc})"
+        used = [reply.client for reply, _, _ in accepted] if kept == "updated" else []
+        self._count_client_state(set(replies), used, r)
         core.round += 1
-        used = [reply.client for reply, _, _ in accepted]
         log(INFO, "fednorm: %s seed %s round %s/%s: %s of %s sampled clients used", self.label, self.seed,
             core.round, core.federation.rounds, len(used), len(participants))
         self._record({"round": core.round, "kind": "train", "sampled": [c.name for c in participants],
                       "used": used, "clients_used": len(used), "dropped": dropped, "global_model": kept,
                       "sent_keys": sorted(core.shared_keys), "received_keys": sorted(received)})
         return {reply.client: result for reply, _, result in accepted}
+
+    def _count_client_state(self, trained: set[str], used: list[str], r: int) -> None:
+        """Of the clients that ``trained`` in round ``r`` (they answered), those whose replies were ``used`` (went
+        into the global model) go on from the state they saved in it; on a node with a state-dir, the others (left
+        out, late, or the round's update failed) go on from their state before it, the snapshot the server names,
+        as if they had not trained (which keeps SCAFFOLD's server control variate the mean of the clients'; the
+        in-process engine uses every reply). Called after the divergence check: a diverged round is not counted,
+        and `record` evaluates the cell as of round r."""
+        if not self.keeps_client_state:
+            return
+        persistent = {e.name for e in self.roster.entries.values() if e.persistent}
+        self.clients_with_state.update({name: r + 1 for name in used if name in persistent})
+        # a client whose state is on disk since has its state on disk from then on. A node without a state-dir keeps
+        # the client's newest state in its run context, whether its reply was used or not
+        self.clients_with_volatile_state = ((self.clients_with_volatile_state - (set(used) & persistent))
+                                            | (trained - persistent))
 
     def _check_message(self, client: str, message: dict[str, torch.Tensor]) -> None:
         """The client algorithm's message must match its server state (SCAFFOLD's control variates)."""
@@ -580,7 +600,8 @@ class FlowerEngine:
         """The server's state (global model, server optimizer, client algorithm server state); the clients'
         local state is on their nodes and not in it."""
         return {**self.core.state_dict(), "engine": "flower", "clients_with_state": dict(self.clients_with_state),
-                "clients_with_volatile_state": sorted(self.clients_with_volatile_state)}
+                "clients_with_volatile_state": sorted(self.clients_with_volatile_state),
+                "client_state_unrecorded": self.client_state_unrecorded}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from the server's checkpoint. A method with client state needs it back from the nodes: every
@@ -603,9 +624,11 @@ class FlowerEngine:
                 "cell folder to rerun the cell, with every SuperNode started with --node-config \"state-dir='DIR'\" "
                 "so that the run can resume")
         self.core.load_state_dict(state)
-        # checkpoints written before fednorm recorded these: no client is known to have state (nothing is checked)
+        # checkpoints written before fednorm recorded these: no client is known to have state (nothing is checked,
+        # and a node reads its newest snapshot of a client until the client trains again)
         self.clients_with_state = {str(k): int(v) for k, v in dict(state.get("clients_with_state", {})).items()}
         self.clients_with_volatile_state = set(state.get("clients_with_volatile_state", []))
+        self.client_state_unrecorded = bool(state.get("client_state_unrecorded", "clients_with_state" not in state))
 
 
 # ------------------------------------------------------------------------------------------ the ServerApp's main
