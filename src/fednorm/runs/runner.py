@@ -799,9 +799,14 @@ def _digest(*tensors: torch.Tensor) -> str:
 
 
 def partition_record(clients: list[ClientData]) -> list[dict]:
-    """What every client holds: sizes, labels per class and a sha256 of each split (images and labels)."""
+    """What every client holds: sizes, labels per class and a sha256 of each split (images and labels). A client
+    whose data are elsewhere (a Flower server's roster client) carries its record in ``meta["partition"]``,
+    computed where the data are."""
     out = []
     for c in clients:
+        if "partition" in c.meta:
+            out.append(c.meta["partition"])
+            continue
         entry: dict = {"name": c.name, "domain": c.domain, "origin": c.origin, "external": bool(c.meta.get("external"))}
         for split in ("train", "val", "test"):
             data = getattr(c, split)

@@ -18,6 +18,7 @@ from fednorm.engines.flower.server import PARTICIPATION_FILE, FlowerOptions, Ser
 from fednorm.methods.aggregation import UpdateError
 from fednorm.methods.server import ClientReply, ServerSpec, ServerUpdate
 from fednorm.runs import store
+from fednorm.runs.runner import RunError
 
 from .conftest import tiny_config
 from .fakegrid import FakeGrid, Late
@@ -219,6 +220,28 @@ def test_a_supernode_restarted_under_a_new_id_takes_its_clients_back(tmp_path):
         2: lambda g: g.restart(102, new_id=103)})  # a new SuperNode (new id) for the same client
     assert [r["clients_used"] for r in rounds] == [3, 2, 3]
     assert rounds[1]["dropped"] == {"rendered/synth": "no live node holds it"}
+
+
+def test_a_supernode_restarted_with_other_data_for_its_client_stops_the_run(tmp_path):
+    # its roster reports the client's partition record (sizes, labels, sha256 of each split), computed on the node:
+    # another data folder or protocol gives another record, and the client would go on training on other data
+    import json as _json
+
+    def other_data(node, message, reply):
+        if node == 103 and m.ROSTER in reply.content.config_records:
+            roster = reply.content.config_records[m.ROSTER]
+            records = [_json.loads(r) for r in roster["partition"]]
+            records[0]["train"]["sha256"] = "0" * 64
+            roster["partition"] = [_json.dumps(r) for r in records]
+        return reply
+
+    def restart_with_other_data(grid):
+        grid.restart(102, new_id=103)
+        grid.tamper = other_data
+    config = tiny_config(THREE, "federation.rounds=3", "federation.eval_every=3")
+    with pytest.raises(RunError, match="node 103 holds client 'rendered/synth' with other data than its node had"):
+        run_with_restart(tmp_path, config, {1: lambda g: (g.dead.add(102), g.offline.add(102)),
+                                            2: restart_with_other_data})
 
 
 @pytest.mark.parametrize("unavailable_errors", [False, True])

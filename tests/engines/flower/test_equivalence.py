@@ -1,12 +1,14 @@
 """The Flower engine gives the in-process engine's numbers, message by message (ClientApps in this process)."""
 
+import json
+
 import pytest
 
 from fednorm.engines.flower.app import make_client_app
 from fednorm.engines.flower.node import experiment_text
 from fednorm.engines.flower.server import FlowerOptions, ServerSettings, run_experiment
 from fednorm.runs import store
-from fednorm.runs.runner import load_run_config, start_run
+from fednorm.runs.runner import PARTITIONS_FILE, load_run_config, start_run
 
 from .conftest import tiny_config
 from .fakegrid import FakeGrid
@@ -18,6 +20,10 @@ def in_process_and_flower(tmp_path, config, nodes=None):
     grid = FakeGrid(make_client_app(), nodes)
     run_experiment(grid, ServerSettings(experiment_text(config), str(tmp_path / "flower"), FlowerOptions(node_wait=5)))
     return grid
+
+
+def partitions(run):
+    return json.loads((run / PARTITIONS_FILE).read_text())
 
 
 def metrics(run, config):
@@ -52,6 +58,7 @@ def test_flower_metrics_equal_the_in_process_engine(tmp_path, extra):
     nodes = [{"partition-id": i, "num-partitions": 2} for i in range(2)]  # a node may hold several clients
     in_process_and_flower(tmp_path, config, nodes)
     assert metrics(tmp_path / "flower", config) == metrics(tmp_path / "in_process", config)
+    assert partitions(tmp_path / "flower") == partitions(tmp_path / "in_process")  # the nodes' data, not placeholders
 
 
 def test_cross_device_sampling_gives_the_in_process_numbers(tmp_path):
@@ -61,6 +68,7 @@ def test_cross_device_sampling_gives_the_in_process_numbers(tmp_path):
                          "federation.rounds=3", "federation.eval_every=1")
     in_process_and_flower(tmp_path, config)
     assert metrics(tmp_path / "flower", config) == metrics(tmp_path / "in_process", config)
+    assert partitions(tmp_path / "flower") == partitions(tmp_path / "in_process")
 
 
 def test_a_domains_validation_score_is_the_union_of_its_clients_validation_splits(tmp_path):

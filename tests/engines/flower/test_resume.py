@@ -277,6 +277,29 @@ def test_resume_without_node_state_is_refused_for_a_method_with_client_state(tmp
         run_flower(other, tmp_path / "flower", None, resume=True)
 
 
+def test_a_flower_resume_on_nodes_holding_other_data_is_refused(tmp_path):
+    # the nodes report each client's partition record (sizes, labels, sha256 of each split); the run's
+    # partitions.json keeps the first ones, and a resume goes on only on the data the run started with
+    import json
+
+    config = tiny_config("methods=[fedavg]", "federation.rounds=4", "federation.checkpoint_every=2")
+    with pytest.raises(Stop):
+        run_flower(config, tmp_path / "flower", None, stop_at(3))
+
+    def other_data(node, message, reply):
+        if node == 101 and m.ROSTER in reply.content.config_records:
+            roster = reply.content.config_records[m.ROSTER]
+            records = [json.loads(r) for r in roster["partition"]]
+            records[0]["train"]["labels"][0] += 1
+            roster["partition"] = [json.dumps(r) for r in records]
+        return reply
+    grid = FakeGrid(make_client_app(), [{"client-index": 0}, {"client-index": 1}], tamper=other_data)
+    with pytest.raises(RunError, match="client 'rendered/neon' no longer holds the same train data"):
+        run_flower(config, tmp_path / "flower", None, resume=True, grid=grid)
+    run_flower(config, tmp_path / "flower", None, resume=True)  # the nodes with the run's data go on
+    assert store.load_checkpoint(tmp_path / "flower" / "fedavg" / "seed0" / store.CHECKPOINT_FILE)["round"] == 4
+
+
 def test_a_flower_resume_of_a_run_whose_config_was_edited_by_hand_is_refused(tmp_path):
     """`fednorm flower ... --resume` reads config.yaml from the run folder, so an edit there reaches both sides of
     the "another experiment" check: the fingerprint run.json recorded at the start catches it."""

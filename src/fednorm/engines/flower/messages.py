@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import io
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
@@ -250,6 +250,9 @@ class RosterEntry:
     y_shape: str
     y_dtype: str
     persistent: bool  # the node keeps the client's state on disk (node config state-dir): resumable
+    # the client's entry of the run's partitions.json as JSON (split sizes, labels per class, a sha256 of each split:
+    # what a resume checks the data against), computed on the node; "" from a node of an earlier fednorm
+    partition: str = ""
 
 
 def roster_record(entries: list[RosterEntry]) -> ConfigRecord:
@@ -261,7 +264,9 @@ def decode_roster(content: RecordDict, node_id: int) -> list[RosterEntry]:
     if record is None:
         raise UpdateError(f"node {node_id} answered the roster query without a 'roster' record")
     try:
-        columns = [list(record[f.name]) for f in fields(RosterEntry)]
+        rows = len(record["name"])
+        columns = [list(record[f.name]) if f.default is MISSING or f.name in record else [f.default] * rows
+                   for f in fields(RosterEntry)]  # a column added since: its default from an earlier node
     except KeyError as exc:
         raise UpdateError(f"node {node_id}'s roster lacks {exc.args[0]!r}") from None
     if len({len(c) for c in columns}) > 1:

@@ -24,6 +24,7 @@ between rounds lives in ``Context.state``.
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,7 @@ from flwr.app import Context, Message, RecordDict
 from ...data.domain import ClientData
 from ...data.federation import domain_eval_clients, parse_domain
 from ...runs.config import ByzantineConfig, ExperimentConfig, MethodConfig, validate
-from ...runs.runner import clients_per_domain, with_validation
+from ...runs.runner import clients_per_domain, partition_record, with_validation
 from ..client_step import ClientMemory
 from ..device import to_device
 from . import messages as m
@@ -313,7 +314,8 @@ class NodeClients:
         return Message(RecordDict({m.CELL: cell.record(), m.BN_AFFINE: m.to_arrays(affine)}), reply_to=message)
 
     def roster(self, message: Message, context: Context) -> Message:
-        """Answer the server's roster query: the node's clients, split sizes and sample shapes (never data)."""
+        """Answer the server's roster query: the node's clients, split sizes, sample shapes and partition records
+        (sizes, labels per class, sha256 of each split: what partitions.json keeps; never data)."""
         cell = m.CellRequest.decode(message.content)
         config = load_experiment(cell.experiment)
         spec = self._spec(context)
@@ -321,7 +323,8 @@ class NodeClients:
         entries = [m.RosterEntry(i, total, c.name, c.domain, c.origin, bool(c.meta.get("external")), c.num_train,
                                  len(c.test), -1 if c.val is None else len(c.val), _shape(c.train.x),
                                  str(c.train.x.dtype).removeprefix("torch."), _shape(c.train.y),
-                                 str(c.train.y.dtype).removeprefix("torch."), bool(spec.state_dir))
+                                 str(c.train.y.dtype).removeprefix("torch."), bool(spec.state_dir),
+                                 json.dumps(partition_record([c])[0]))
                    for i, c in spec.clients(config).items()]
         return Message(RecordDict({m.ROSTER: m.roster_record(entries)}), reply_to=message)
 

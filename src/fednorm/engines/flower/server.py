@@ -41,8 +41,8 @@ from ...methods.server import ClientReply
 from ...methods.tasks import balanced_accuracy
 from ...runs import store
 from ...runs.config import ExperimentConfig, MethodConfig
-from ...runs.runner import (RUN_INFO_FILE, CellResult, RunError, build_engine, check_config_unchanged, check_engine,
-                            execute, load_run_config, run_lock, start_run)
+from ...runs.runner import (PARTITIONS_FILE, RUN_INFO_FILE, CellResult, RunError, build_engine, check_config_unchanged,
+                            check_engine, execute, load_run_config, run_lock, start_run)
 from ..simulation import Evaluation
 from . import messages as m
 from .node import check_flower_method, experiment_text
@@ -67,8 +67,8 @@ class FlowerOptions:
 
 def roster_clients(entries: list[m.RosterEntry]) -> list[ClientData]:
     """ClientData that carry only what the server may know of each client (name, domain, origin, split
-    sizes, sample shape): every sample is one zero broadcast to its shape, so the splits cost no memory;
-    the data stay on the nodes."""
+    sizes, sample shape, the node's partition record for partitions.json): every sample is one zero broadcast
+    to its shape, so the splits cost no memory; the data stay on the nodes."""
     def blank(n: int, shape: str, dtype: str) -> torch.Tensor:
         dims = tuple(int(s) for s in shape.split(",") if s)
         return torch.zeros((1,) * (1 + len(dims)), dtype=getattr(torch, dtype)).expand(n, *dims)
@@ -78,7 +78,8 @@ def roster_clients(entries: list[m.RosterEntry]) -> list[ClientData]:
 
     return [ClientData(e.name, e.domain, split(e.num_train, e), split(e.num_test, e),
                        None if e.num_val < 0 else split(e.num_val, e), e.origin,
-                       meta={"index": e.index, **({"external": True} if e.external else {})})
+                       meta={"index": e.index, **({"external": True} if e.external else {}),
+                             **({"partition": json.loads(e.partition)} if e.partition else {})})
             for e in sorted(entries, key=lambda e: e.index)]
 
 
@@ -210,6 +211,12 @@ class Roster:
                     log(WARNING, "fednorm: node %s claims client %r at index %s, outside the federation's %s "
                         "clients; ignored", node, e.name, e.index, self.expected)
                     continue
+                held = self.entries.get(e.index)
+                if held is not None and held.partition and e.partition and held.partition != e.partition:
+                    # a restarted or new node for a known client: it must hold the data the client trained on
+                    raise RunError(f"node {node} holds client {e.name!r} with other data than its node had (their "
+                                   f"sizes, labels or sha256 in {PARTITIONS_FILE} differ): give it the data folder "
+                                   "and node config the client's first node had")
                 old = self.node_of.get(e.name)
                 # a client "held by two nodes" only while its old node is live: a node Flower reports offline
                 # (a SuperNode restarted under a new id) has handed its clients on
