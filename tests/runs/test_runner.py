@@ -473,17 +473,23 @@ def test_corrupted_copies_of_one_domain_hold_out_the_same_images_for_validation(
     assert torch.equal(alone.val.x, clean.val.x)
 
 
-def test_partitions_are_saved_with_the_run_and_checked_on_resume(tmp_path):
-    cfg = tiny_config("methods=[fedavg]", "federation.rounds=2")
+@pytest.mark.parametrize("extra, names", [
+    ([], ["rendered/print", "rendered/neon"]),
+    # label skew (FBN): the partition's clients carry their scheme in meta; the record is still of their data
+    (["data.domains=[rendered/print]", "data.partition=gamma", "data.gamma=0.0", "data.num_clients=3"],
+     ["rendered/print-1", "rendered/print-2", "rendered/print-3"]),
+])
+def test_partitions_are_saved_with_the_run_and_checked_on_resume(tmp_path, extra, names):
+    cfg = tiny_config("methods=[fedavg]", "federation.rounds=2", *extra)
     with pytest.raises(Stop):
         start_run(cfg, tmp_path / "run", progress=lambda label, seed, rnd, rounds, last: (_ for _ in ()).throw(Stop())
                   if rnd == 1 else None)
     saved = json.loads((tmp_path / "run" / "partitions.json").read_text())
-    assert [c["name"] for c in saved] == ["rendered/print", "rendered/neon"]
+    assert [c["name"] for c in saved] == names
     assert all(len(c["train"]["sha256"]) == 64 and sum(c["train"]["labels"]) == c["train"]["n"] for c in saved)
     saved[0]["train"]["sha256"] = "0" * 64  # as if the data had changed since the run started
     (tmp_path / "run" / "partitions.json").write_text(json.dumps(saved))
-    with pytest.raises(RunError, match="rendered/print.*train data"):
+    with pytest.raises(RunError, match=f"{names[0]}.*train data"):
         resume_run(tmp_path / "run")
 
 

@@ -800,12 +800,12 @@ def _digest(*tensors: torch.Tensor) -> str:
 
 def partition_record(clients: list[ClientData]) -> list[dict]:
     """What every client holds: sizes, labels per class and a sha256 of each split (images and labels). A client
-    whose data are elsewhere (a Flower server's roster client) carries its record in ``meta["partition"]``,
+    whose data are elsewhere (a Flower server's roster client) carries its record in ``meta["partition_record"]``,
     computed where the data are."""
     out = []
     for c in clients:
-        if "partition" in c.meta:
-            out.append(c.meta["partition"])
+        if "partition_record" in c.meta:
+            out.append(c.meta["partition_record"])
             continue
         entry: dict = {"name": c.name, "domain": c.domain, "origin": c.origin, "external": bool(c.meta.get("external"))}
         for split in ("train", "val", "test"):

@@ -23,7 +23,9 @@ def in_process_and_flower(tmp_path, config, nodes=None):
 
 
 def partitions(run):
-    return json.loads((run / PARTITIONS_FILE).read_text())
+    records = json.loads((run / PARTITIONS_FILE).read_text())
+    assert all(len(r["test"]["sha256"]) == 64 for r in records)  # records of data, whatever the partition scheme
+    return records
 
 
 def metrics(run, config):

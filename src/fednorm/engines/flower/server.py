@@ -79,7 +79,7 @@ def roster_clients(entries: list[m.RosterEntry]) -> list[ClientData]:
     return [ClientData(e.name, e.domain, split(e.num_train, e), split(e.num_test, e),
                        None if e.num_val < 0 else split(e.num_val, e), e.origin,
                        meta={"index": e.index, **({"external": True} if e.external else {}),
-                             **({"partition": json.loads(e.partition)} if e.partition else {})})
+                             **({"partition_record": json.loads(e.partition)} if e.partition else {})})
             for e in sorted(entries, key=lambda e: e.index)]
 
 
