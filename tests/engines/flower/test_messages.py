@@ -28,15 +28,20 @@ def test_instructions_round_trip():
     assert m.decode_instructions(RecordDict({m.INSTRUCTIONS: m.instructions_record(ins)})) == ins
 
 
-def test_cell_request_round_trips_and_an_older_servers_request_names_no_snapshot():
+@pytest.mark.parametrize("state_round", [5, m.NO_CLIENT_STATE, m.UNKNOWN_CLIENT_STATE])
+def test_cell_request_round_trips_and_an_older_servers_request_names_no_snapshot(state_round):
     cell = m.CellRequest("name: x", "FedBN", 2, "mnist", "mnist", ("test", "val"), ("fedbn_average",), round=7,
-                         run_id="abc", state_round=5)
+                         run_id="abc", state_round=state_round, state_at_most=3)
     assert m.CellRequest.decode(RecordDict({m.CELL: cell.record()})) == cell
+    # a node of the fednorm before reads "state_round": at least that round (-1: no check)
+    assert cell.record()["state_round"] == max(state_round, -1)
     older = cell.record()
-    del older["state_round"], older["run_id"], older["external_modes"]  # a server of an earlier fednorm
-    back = m.CellRequest.decode(RecordDict({m.CELL: older}))
-    assert back == m.CellRequest("name: x", "FedBN", 2, "mnist", "mnist", ("test", "val"), round=7)
-    assert back.state_round == m.UNKNOWN_CLIENT_STATE != m.NO_CLIENT_STATE  # the node's newest, not "none"
+    del older["state_snapshot"], older["state_at_most"]  # a server of the fednorm before: "state_round" only,
+    back = m.CellRequest.decode(RecordDict({m.CELL: older}))  # whose -1 meant "nothing recorded", not "none"
+    assert back.state_round == m.UNKNOWN_CLIENT_STATE and back.state_at_most == -1  # the node's newest
+    del older["state_round"], older["run_id"], older["external_modes"]  # a server of an earlier fednorm still
+    assert m.CellRequest.decode(RecordDict({m.CELL: older})) == m.CellRequest(
+        "name: x", "FedBN", 2, "mnist", "mnist", ("test", "val"), round=7)
 
 
 def test_reply_round_trip_and_the_server_weight_wins():

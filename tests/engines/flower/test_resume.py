@@ -98,23 +98,31 @@ def test_a_stopped_flower_run_with_client_state_resumes_to_the_in_process_number
     assert rounds == [1, 2, 3, 4]
 
 
-def test_a_checkpoint_of_an_earlier_fednorm_resumes_with_the_nodes_newest_snapshots(tmp_path):
-    # written before the server recorded which snapshot each client saved: it cannot name them, and the nodes take
-    # their newest at or before the round (what fednorm then did), not "no state"
+def as_of_an_earlier_fednorm(checkpoint_path, clients_with_state):
+    """Rewrite a Flower checkpoint as fednorm wrote it before it recorded which snapshot each client saved."""
+    older = store.load_checkpoint(checkpoint_path)
+    for key in ("clients_with_state", "clients_with_volatile_state", "client_state_unrecorded_at"):
+        del older[key]
+    if clients_with_state is not None:
+        older["clients_with_state"] = clients_with_state
+    store.save_checkpoint(checkpoint_path, older)
+
+
+@pytest.mark.parametrize("clients_with_state", [None, ["rendered/print", "rendered/neon"]])
+def test_a_checkpoint_of_an_earlier_fednorm_resumes_with_the_nodes_newest_snapshots(tmp_path, clients_with_state):
+    # written before the server recorded which snapshot each client saved (no record, or only the names): it
+    # cannot name them, and the nodes take their newest at or before the checkpoint's round, not "no state"
     config = tiny_config("methods=[fedbn]", "federation.rounds=4", "federation.eval_every=1",
                          "federation.checkpoint_every=2")
     start_run(config, tmp_path / "in_process")
     with pytest.raises(Stop):
         run_flower(config, tmp_path / "flower", str(tmp_path / "node_state"), stop_at(3))
     path = tmp_path / "flower" / "fedbn" / "seed0" / store.CHECKPOINT_FILE
-    older = store.load_checkpoint(path)
-    for key in ("clients_with_state", "clients_with_volatile_state", "client_state_unrecorded"):
-        del older[key]
-    store.save_checkpoint(path, older)
+    as_of_an_earlier_fednorm(path, clients_with_state)
     run_flower(config, tmp_path / "flower", str(tmp_path / "node_state"), resume=True)
     cell = f"fedbn/seed0/{store.METRICS_FILE}"
     assert store.read_metrics(tmp_path / "flower" / cell) == store.read_metrics(tmp_path / "in_process" / cell)
-    assert store.load_checkpoint(path)["client_state_unrecorded"] is True  # kept for the next resume
+    assert store.load_checkpoint(path)["client_state_unrecorded_at"] == 2  # kept for the next resume
 
 
 def test_two_runs_on_one_state_dir_keep_their_client_state_apart(tmp_path):
@@ -162,7 +170,9 @@ def test_a_resume_on_nodes_that_lack_the_clients_state_stops_and_loses_nothing(t
     assert store.read_metrics(tmp_path / "flower" / cell) == store.read_metrics(tmp_path / "in_process" / cell)
 
 
-def test_a_client_left_out_of_a_redone_round_does_not_go_on_from_the_abandoned_runs_snapshot(tmp_path):
+@pytest.mark.parametrize("earlier_fednorms_checkpoint", [False, True])
+def test_a_client_left_out_of_a_redone_round_does_not_go_on_from_the_abandoned_runs_snapshot(
+        tmp_path, earlier_fednorms_checkpoint):
     # stopped after round 3 (checkpoint of round 2): the nodes hold each client's snapshot of round 3. The resumed
     # run loses the node of rendered/neon for round 3 and gets it back for round 4: the client must go on from its
     # round-2 state, not from the round-3 snapshot of the run that was stopped
@@ -171,6 +181,8 @@ def test_a_client_left_out_of_a_redone_round_does_not_go_on_from_the_abandoned_r
     state = tmp_path / "node_state"
     with pytest.raises(Stop):
         run_flower(config, tmp_path / "flower", str(state), stop_at(3))
+    if earlier_fednorms_checkpoint:  # the server cannot name the snapshots: the newest at or before round 2
+        as_of_an_earlier_fednorm(tmp_path / "flower" / "fedbn" / "seed0" / store.CHECKPOINT_FILE, None)
     shutil.copytree(tmp_path / "flower", tmp_path / "flower_fresh_nodes")
     fresh_nodes = tmp_path / "node_state_without_the_abandoned_rounds"
     shutil.copytree(state, fresh_nodes, ignore=shutil.ignore_patterns("round3.pt"))
@@ -298,6 +310,30 @@ def test_a_flower_resume_on_nodes_holding_other_data_is_refused(tmp_path):
         run_flower(config, tmp_path / "flower", None, resume=True, grid=grid)
     run_flower(config, tmp_path / "flower", None, resume=True)  # the nodes with the run's data go on
     assert store.load_checkpoint(tmp_path / "flower" / "fedavg" / "seed0" / store.CHECKPOINT_FILE)["round"] == 4
+
+
+def test_a_flower_run_whose_partitions_json_describes_the_servers_placeholders_resumes_and_gets_the_records(tmp_path):
+    # before the nodes reported their partition records, a Flower run's partitions.json described the server's
+    # placeholder clients (zeros); its resume must not be refused as "other data", and the file gets the records
+    import json
+
+    from fednorm.engines.flower.node import _shape
+    from fednorm.engines.flower.server import roster_clients
+    from fednorm.runs.runner import PARTITIONS_FILE, build_federation_data, partition_record
+
+    config = tiny_config("methods=[fedavg]", "federation.rounds=4", "federation.checkpoint_every=2")
+    with pytest.raises(Stop):
+        run_flower(config, tmp_path / "flower", None, stop_at(3))
+    records = json.loads((tmp_path / "flower" / PARTITIONS_FILE).read_text())
+    clients = build_federation_data(config, None)
+    entries = [m.RosterEntry(i, len(clients), c.name, c.domain, c.origin, False, c.num_train, len(c.test), -1,
+                             _shape(c.train.x), str(c.train.x.dtype).removeprefix("torch."), _shape(c.train.y),
+                             str(c.train.y.dtype).removeprefix("torch."), False) for i, c in enumerate(clients)]
+    placeholders = partition_record(roster_clients(entries))
+    assert placeholders != records and [p["name"] for p in placeholders] == [r["name"] for r in records]
+    (tmp_path / "flower" / PARTITIONS_FILE).write_text(json.dumps(placeholders))
+    run_flower(config, tmp_path / "flower", None, resume=True)
+    assert json.loads((tmp_path / "flower" / PARTITIONS_FILE).read_text()) == records
 
 
 def test_a_flower_resume_of_a_run_whose_config_was_edited_by_hand_is_refused(tmp_path):

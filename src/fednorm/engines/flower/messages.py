@@ -88,16 +88,20 @@ class CellRequest:
     # (state-dir), as of the run's accepted history. NO_CLIENT_STATE: it has none (it starts from the global
     # model, whatever the node holds: snapshots of rounds a resumed run redoes are stale). UNKNOWN_CLIENT_STATE:
     # the server does not say (an older fednorm, or a checkpoint written before it recorded this): the newest
-    # snapshot at or before ``round``. A node that lacks the named snapshot is not the node or state-dir that ran
-    # it: it must not start the client afresh or from other state
+    # snapshot at or before ``round`` and ``state_at_most`` (if >= 0). A node that lacks the named snapshot is not
+    # the node or state-dir that ran it: it must not start the client afresh or from other state
     state_round: int = UNKNOWN_CLIENT_STATE
+    state_at_most: int = -1
 
     def record(self) -> ConfigRecord:
+        # "state_snapshot" carries state_round. Servers of fednorm before it sent "state_round" with another rule
+        # (-1: nothing recorded, not "none"; else: at least that round), still sent for their nodes
         return ConfigRecord({"experiment": self.experiment, "method": self.method, "seed": int(self.seed),
                              "client": self.client, "record_as": self.record_as or self.client,
                              "splits": list(self.splits), "external_modes": list(self.external_modes),
                              "round": int(self.round), "run_id": self.run_id,
-                             "state_round": int(self.state_round)})
+                             "state_snapshot": int(self.state_round), "state_at_most": int(self.state_at_most),
+                             "state_round": max(int(self.state_round), -1)})
 
     @classmethod
     def decode(cls, content: RecordDict) -> "CellRequest":
@@ -107,7 +111,8 @@ class CellRequest:
         return cls(str(record["experiment"]), str(record["method"]), int(record["seed"]), str(record["client"]),
                    str(record["record_as"]), tuple(str(s) for s in record["splits"]),
                    tuple(str(s) for s in record.get("external_modes", [])), int(record.get("round", -1)),
-                   str(record.get("run_id", "")), int(record.get("state_round", UNKNOWN_CLIENT_STATE)))
+                   str(record.get("run_id", "")), int(record.get("state_snapshot", UNKNOWN_CLIENT_STATE)),
+                   int(record.get("state_at_most", -1)))
 
 
 # ------------------------------------------------------------------------------------------ instructions

@@ -273,28 +273,30 @@ class NodeClients:
 
     @staticmethod
     def _load_memory(context: Context, spec: NodeSpec, cell: m.CellRequest, client: str, at_round: int
-                     ) -> ClientMemory:
-        """The client's memory as of ``at_round`` completed rounds: from the state folder when the node has one
-        (it survives the run), the snapshot the server names (``cell.state_round``); else from ``Context.state``.
-        Raises :class:`ClientStateMissing` when the node lacks the snapshot the server names."""
+                     ) -> tuple[ClientMemory, int | None]:
+        """The client's memory as of ``at_round`` completed rounds, and the round of the snapshot it is (-1: none;
+        None: not from the state folder). From the state folder when the node has one (it survives the run): the
+        snapshot the server names (``cell.state_round``); else from ``Context.state``. Raises
+        :class:`ClientStateMissing` when the node lacks the snapshot the server names."""
         prefix = m.memory_prefix(cell, client)
         if not (spec.state_dir and at_round >= 0):
             if cell.state_round >= 0:
                 # a state_round is only ever given for state saved in a state-dir, which a node without one cannot
                 # hold: whatever its run context keeps of the client is older (it held the client before)
                 raise ClientStateMissing(_missing(cell, client, "this node has no state-dir"))
-            return m.load_memory(context.state, prefix)
+            return m.load_memory(context.state, prefix), None
         nodes = NodeStateStore(spec.state_dir)
-        if cell.state_round == m.UNKNOWN_CLIENT_STATE:  # an older server: the newest snapshot
-            return nodes.load(prefix, at_round)
+        if cell.state_round == m.UNKNOWN_CLIENT_STATE:  # an older server or checkpoint: the newest snapshot
+            newest = nodes.newest(prefix, at_round if cell.state_at_most < 0 else min(at_round, cell.state_at_most))
+            return (ClientMemory(), -1) if newest is None else (nodes.read(prefix, newest), newest)
         if cell.state_round == m.NO_CLIENT_STATE:  # any snapshot is of rounds a resumed run redoes, or unused
-            return ClientMemory()
+            return ClientMemory(), -1
         held = nodes.rounds(prefix)
         if cell.state_round not in held:
             found = (f"state-dir {spec.state_dir} holds no snapshot of that round (its snapshots of the client: "
                      f"rounds {held})" if held else f"it has none in state-dir {spec.state_dir}")
             raise ClientStateMissing(_missing(cell, client, found))
-        return nodes.read(prefix, cell.state_round)
+        return nodes.read(prefix, cell.state_round), cell.state_round
 
     def query(self, message: Message, context: Context) -> Message:
         """A query message: the roster (no method named), or a client's BN affine parameters."""
@@ -309,7 +311,7 @@ class NodeClients:
 
         cell = m.CellRequest.decode(message.content)
         engine, _, client, spec = self._client(context, cell)
-        memory = self._load_memory(context, spec, cell, client.name, cell.round)
+        memory, _ = self._load_memory(context, spec, cell, client.name, cell.round)
         affine = {k: memory.local_state[k] for k in bn_affine_keys(engine.model) if k in memory.local_state}
         return Message(RecordDict({m.CELL: cell.record(), m.BN_AFFINE: m.to_arrays(affine)}), reply_to=message)
 
@@ -338,7 +340,7 @@ class NodeClients:
         server_state = m.from_arrays(message.content, m.SERVER_STATE)
         input_state = m.from_arrays(message.content, m.INPUT_STATE)
         prefix = m.memory_prefix(cell, client.name)
-        memory = self._load_memory(context, spec, cell, client.name, instructions.round)
+        memory, started_from = self._load_memory(context, spec, cell, client.name, instructions.round)
         reply, algorithm_message, result = engine.runner.run(client, instructions, {**initial, **shared},
                                                              server_state, memory, input_state=input_state)
         kept = type(memory)(memory.local_state if engine.local_keys else {},
@@ -347,7 +349,6 @@ class NodeClients:
         if spec.state_dir:
             if kept.local_state or kept.optimizer_state is not None or kept.algorithm_state:
                 config = load_experiment(cell.experiment)
-                started_from = None if cell.state_round == m.UNKNOWN_CLIENT_STATE else cell.state_round
                 NodeStateStore(spec.state_dir).save(prefix, instructions.round + 1, kept,
                                                     config.federation.checkpoint_every, started_from)
         else:
@@ -375,7 +376,7 @@ class NodeClients:
         else:
             if cell.record_as == client.name:
                 target = client
-                memory = self._load_memory(context, spec, cell, client.name, cell.round)
+                memory, _ = self._load_memory(context, spec, cell, client.name, cell.round)
                 if memory.local_state:
                     engine.local_states = {client.name: memory.local_state}
             else:

@@ -212,7 +212,8 @@ class Roster:
                         "clients; ignored", node, e.name, e.index, self.expected)
                     continue
                 held = self.entries.get(e.index)
-                if held is not None and held.partition and e.partition and held.partition != e.partition:
+                if (held is not None and held.partition and e.partition
+                        and json.loads(held.partition) != json.loads(e.partition)):
                     # a restarted or new node for a known client: it must hold the data the client trained on
                     raise RunError(f"node {node} holds client {e.name!r} with other data than its node had (their "
                                    f"sizes, labels or sha256 in {PARTITIONS_FILE} differ): give it the data folder "
@@ -303,9 +304,10 @@ class FlowerEngine:
                                        or core.algorithm.stateful)
         self.clients_with_state: dict[str, int] = {}
         self.clients_with_volatile_state: set[str] = set()
-        # resumed from a checkpoint written before fednorm recorded clients_with_state: for a client not in it, the
-        # server cannot name its snapshot (the node takes its newest, as fednorm then did)
-        self.client_state_unrecorded = False
+        # resumed from a checkpoint of this round written before fednorm recorded clients_with_state (-1: none):
+        # for a client not in it, the server cannot name its snapshot; the node takes its newest at or before this
+        # round (later ones are of rounds the resumed run redoes)
+        self.client_state_unrecorded_at = -1
 
     @property
     def round(self) -> int:
@@ -313,15 +315,17 @@ class FlowerEngine:
 
     # -------------------------------------------------------------- messages
     def _cell(self, client: str, record_as: str = "", splits: tuple[str, ...] = ()) -> m.CellRequest:
+        state_round = self._state_round(client)
         return m.CellRequest(self.experiment, self.label, self.seed, client, record_as or client, splits,
-                             round=self.core.round, run_id=self.run_id,
-                             state_round=self._state_round(client))
+                             round=self.core.round, run_id=self.run_id, state_round=state_round,
+                             state_at_most=self.client_state_unrecorded_at
+                             if state_round == m.UNKNOWN_CLIENT_STATE else -1)
 
     def _state_round(self, client: str) -> int:
         """The snapshot of ``client``'s state its node must read (CellRequest.state_round)."""
         if client in self.clients_with_state:
             return self.clients_with_state[client]
-        return m.UNKNOWN_CLIENT_STATE if self.client_state_unrecorded else m.NO_CLIENT_STATE
+        return m.UNKNOWN_CLIENT_STATE if self.client_state_unrecorded_at >= 0 else m.NO_CLIENT_STATE
 
     def _global(self) -> ArrayRecord:
         return m.to_arrays({k: self.core.global_state[k] for k in self.core.shared_keys})
@@ -608,7 +612,7 @@ class FlowerEngine:
         local state is on their nodes and not in it."""
         return {**self.core.state_dict(), "engine": "flower", "clients_with_state": dict(self.clients_with_state),
                 "clients_with_volatile_state": sorted(self.clients_with_volatile_state),
-                "client_state_unrecorded": self.client_state_unrecorded}
+                "client_state_unrecorded_at": self.client_state_unrecorded_at}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from the server's checkpoint. A method with client state needs it back from the nodes: every
@@ -631,11 +635,15 @@ class FlowerEngine:
                 "cell folder to rerun the cell, with every SuperNode started with --node-config \"state-dir='DIR'\" "
                 "so that the run can resume")
         self.core.load_state_dict(state)
-        # checkpoints written before fednorm recorded these: no client is known to have state (nothing is checked,
-        # and a node reads its newest snapshot of a client until the client trains again)
-        self.clients_with_state = {str(k): int(v) for k, v in dict(state.get("clients_with_state", {})).items()}
+        # checkpoints written before fednorm recorded which snapshot each client saved (none, or a list of names):
+        # nothing is checked, and a node reads its newest snapshot of a client at or before the checkpoint's round
+        # until a reply of that client is used
+        recorded = state.get("clients_with_state")
+        self.clients_with_state = ({str(k): int(v) for k, v in recorded.items()} if isinstance(recorded, dict)
+                                   else {})
         self.clients_with_volatile_state = set(state.get("clients_with_volatile_state", []))
-        self.client_state_unrecorded = bool(state.get("client_state_unrecorded", "clients_with_state" not in state))
+        self.client_state_unrecorded_at = int(state.get("client_state_unrecorded_at",
+                                                        -1 if isinstance(recorded, dict) else state["round"]))
 
 
 # ------------------------------------------------------------------------------------------ the ServerApp's main
