@@ -830,12 +830,16 @@ def check_partitions(run_dir: Path, clients: list[ClientData]) -> None:
     saved = json.loads(path.read_text())
     if saved == record:
         return
-    if clients and all("partition_record" in c.meta for c in clients) and saved == partition_record(
-            [replace(c, meta={k: v for k, v in c.meta.items() if k != "partition_record"}) for c in clients]):
-        # a Flower run started before its nodes reported their records: the file describes the server's
-        # placeholders (zeros), not data; the nodes' records replace it
-        store.write_json(path, record)
-        return
+    if len(saved) == len(record):
+        # a Flower run started before its nodes reported their records: the file describes the server's placeholder
+        # clients (zeros), not data; the nodes' records replace those entries (a node of that fednorm reports none)
+        placeholders = partition_record([replace(c, meta={k: v for k, v in c.meta.items() if k != "partition_record"})
+                                         for c in clients])
+        updated = [new if old == placeholder and "partition_record" in c.meta else old
+                   for old, new, placeholder, c in zip(saved, record, placeholders, clients)]
+        if updated != saved and updated == record:
+            store.write_json(path, record)
+            return
     names_saved, names_now = [c["name"] for c in saved], [c["name"] for c in record]
     if names_saved != names_now:
         raise RunError(f"{run_dir}: the federation's clients changed since the run started ({names_saved} then, "

@@ -244,6 +244,19 @@ def test_a_supernode_restarted_with_other_data_for_its_client_stops_the_run(tmp_
                                             2: restart_with_other_data})
 
 
+def test_a_node_whose_partition_record_is_malformed_takes_no_part(tmp_path):
+    def malformed(node, message, reply):
+        if node == 101 and m.ROSTER in reply.content.config_records:
+            roster = reply.content.config_records[m.ROSTER]
+            roster["partition"] = ["{not json" for _ in roster["partition"]]
+        return reply
+    config = tiny_config("federation.rounds=1")
+    with pytest.raises(RunError, match=r"no SuperNode holds client indexes \[1\]"):
+        grid = FakeGrid(make_client_app(), [{"client-index": 0}, {"client-index": 1}], malformed)
+        run_experiment(grid, ServerSettings(experiment_text(config), str(tmp_path / "run"),
+                                            FlowerOptions(round_timeout=2.0, node_wait=1)))
+
+
 @pytest.mark.parametrize("unavailable_errors", [False, True])
 def test_a_supernode_restarted_under_its_id_is_asked_again(tmp_path, unavailable_errors):
     # it dies after round 1: its round-2 message goes unanswered (or Flower answers NODE_UNAVAILABLE); Flower then

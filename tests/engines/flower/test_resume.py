@@ -68,6 +68,27 @@ def test_node_state_store_writing_a_snapshot_drops_the_ones_after_the_snapshot_i
     assert nodes.rounds("m/seed0/c") == [6, 7]
 
 
+def test_a_node_asked_by_a_server_of_the_fednorm_before_reads_its_newest_snapshot_and_keeps_that_servers_check(
+        tmp_path):
+    # that server named no snapshot: "state_round" S meant "the newest snapshot, at least of round S"
+    from flwr.app import Context, RecordDict
+
+    from fednorm.engines.flower.node import ClientStateMissing, NodeClients, NodeSpec
+
+    nodes = NodeStateStore(tmp_path)
+    cell = m.CellRequest("name: x", "fedbn", 0, "c", run_id="r", state_round=m.UNKNOWN_CLIENT_STATE, state_at_least=2)
+    prefix = m.memory_prefix(cell, "c")
+    for r in (1, 2, 3):
+        nodes.save(prefix, r, memory(r), checkpoint_every=10)
+    spec, context = NodeSpec(state_dir=str(tmp_path)), Context(1, 1, {}, RecordDict(), {})
+    memory_read, read = NodeClients._load_memory(context, spec, cell, "c", at_round=2)
+    assert read == 2 and memory_read.local_state["bn.weight"].tolist() == [2.0, 2.0]
+    with pytest.raises(ClientStateMissing, match="after round 2, but its newest in state-dir .* is of round 1"):
+        NodeClients._load_memory(context, spec, cell, "c", at_round=1)
+    with pytest.raises(ClientStateMissing, match="this node has no state-dir"):
+        NodeClients._load_memory(context, NodeSpec(), cell, "c", at_round=2)
+
+
 def run_flower(config, out, state_dir, progress=None, resume=False, grid=None):
     grid = grid or FakeGrid(make_client_app(state_dir=state_dir), [{"client-index": 0}, {"client-index": 1}])
     run_experiment(grid, ServerSettings(experiment_text(config), str(out), FlowerOptions(node_wait=5), resume=resume),
@@ -312,7 +333,9 @@ def test_a_flower_resume_on_nodes_holding_other_data_is_refused(tmp_path):
     assert store.load_checkpoint(tmp_path / "flower" / "fedavg" / "seed0" / store.CHECKPOINT_FILE)["round"] == 4
 
 
-def test_a_flower_run_whose_partitions_json_describes_the_servers_placeholders_resumes_and_gets_the_records(tmp_path):
+@pytest.mark.parametrize("placeholder_entries", [slice(None), slice(0, 1)])  # all, or one node's (a mixed roster)
+def test_a_flower_run_whose_partitions_json_describes_the_servers_placeholders_resumes_and_gets_the_records(
+        tmp_path, placeholder_entries):
     # before the nodes reported their partition records, a Flower run's partitions.json described the server's
     # placeholder clients (zeros); its resume must not be refused as "other data", and the file gets the records
     import json
@@ -331,7 +354,9 @@ def test_a_flower_run_whose_partitions_json_describes_the_servers_placeholders_r
                              str(c.train.y.dtype).removeprefix("torch."), False) for i, c in enumerate(clients)]
     placeholders = partition_record(roster_clients(entries))
     assert placeholders != records and [p["name"] for p in placeholders] == [r["name"] for r in records]
-    (tmp_path / "flower" / PARTITIONS_FILE).write_text(json.dumps(placeholders))
+    written = list(records)
+    written[placeholder_entries] = placeholders[placeholder_entries]
+    (tmp_path / "flower" / PARTITIONS_FILE).write_text(json.dumps(written))
     run_flower(config, tmp_path / "flower", None, resume=True)
     assert json.loads((tmp_path / "flower" / PARTITIONS_FILE).read_text()) == records
 

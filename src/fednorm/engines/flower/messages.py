@@ -21,6 +21,7 @@ record and the client, which the server logs before leaving the reply out of the
 from __future__ import annotations
 
 import io
+import json
 import math
 from dataclasses import MISSING, asdict, dataclass, fields
 
@@ -92,16 +93,20 @@ class CellRequest:
     # the node or state-dir that ran it: it must not start the client afresh or from other state
     state_round: int = UNKNOWN_CLIENT_STATE
     state_at_most: int = -1
+    # from a server of the fednorm before (which named no snapshot): the newest snapshot must be at least this
+    # round (-1: no check)
+    state_at_least: int = -1
 
     def record(self) -> ConfigRecord:
-        # "state_snapshot" carries state_round. Servers of fednorm before it sent "state_round" with another rule
-        # (-1: nothing recorded, not "none"; else: at least that round), still sent for their nodes
+        # "state_snapshot" carries state_round. Servers of the fednorm before sent "state_round" with another rule
+        # (< 0: nothing recorded, not "none"; else: the newest snapshot, at least of that round), still sent for
+        # nodes of that version
         return ConfigRecord({"experiment": self.experiment, "method": self.method, "seed": int(self.seed),
                              "client": self.client, "record_as": self.record_as or self.client,
                              "splits": list(self.splits), "external_modes": list(self.external_modes),
                              "round": int(self.round), "run_id": self.run_id,
                              "state_snapshot": int(self.state_round), "state_at_most": int(self.state_at_most),
-                             "state_round": max(int(self.state_round), -1)})
+                             "state_round": int(self.state_round)})
 
     @classmethod
     def decode(cls, content: RecordDict) -> "CellRequest":
@@ -112,7 +117,8 @@ class CellRequest:
                    str(record["record_as"]), tuple(str(s) for s in record["splits"]),
                    tuple(str(s) for s in record.get("external_modes", [])), int(record.get("round", -1)),
                    str(record.get("run_id", "")), int(record.get("state_snapshot", UNKNOWN_CLIENT_STATE)),
-                   int(record.get("state_at_most", -1)))
+                   int(record.get("state_at_most", -1)),
+                   -1 if "state_snapshot" in record else max(int(record.get("state_round", -1)), -1))
 
 
 # ------------------------------------------------------------------------------------------ instructions
@@ -281,7 +287,14 @@ def decode_roster(content: RecordDict, node_id: int) -> list[RosterEntry]:
         wrong = [v for v in column if not isinstance(v, kind) or (kind is int and isinstance(v, bool))]
         if wrong:
             raise UpdateError(f"node {node_id}'s roster column {f.name!r} holds {wrong[0]!r}, not {f.type}")
-    return [RosterEntry(*row) for row in zip(*columns)]
+    entries = [RosterEntry(*row) for row in zip(*columns)]
+    for e in entries:
+        try:
+            if e.partition and not isinstance(json.loads(e.partition), dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            raise UpdateError(f"node {node_id}'s partition record of client {e.name!r} is malformed ({exc})") from None
+    return entries
 
 
 # ------------------------------------------------------------------------------------------ client memory

@@ -280,7 +280,7 @@ class NodeClients:
         :class:`ClientStateMissing` when the node lacks the snapshot the server names."""
         prefix = m.memory_prefix(cell, client)
         if not (spec.state_dir and at_round >= 0):
-            if cell.state_round >= 0:
+            if cell.state_round >= 0 or cell.state_at_least >= 0:
                 # a state_round is only ever given for state saved in a state-dir, which a node without one cannot
                 # hold: whatever its run context keeps of the client is older (it held the client before)
                 raise ClientStateMissing(_missing(cell, client, "this node has no state-dir"))
@@ -288,6 +288,10 @@ class NodeClients:
         nodes = NodeStateStore(spec.state_dir)
         if cell.state_round == m.UNKNOWN_CLIENT_STATE:  # an older server or checkpoint: the newest snapshot
             newest = nodes.newest(prefix, at_round if cell.state_at_most < 0 else min(at_round, cell.state_at_most))
+            if cell.state_at_least >= 0 and (newest is None or newest < cell.state_at_least):
+                raise ClientStateMissing(_missing(cell, client, f"its newest in state-dir {spec.state_dir} is of round "
+                                                  f"{newest}" if newest is not None else
+                                                  f"it has none in state-dir {spec.state_dir}"))
             return (ClientMemory(), -1) if newest is None else (nodes.read(prefix, newest), newest)
         if cell.state_round == m.NO_CLIENT_STATE:  # any snapshot is of rounds a resumed run redoes, or unused
             return ClientMemory(), -1
@@ -390,7 +394,7 @@ class NodeClients:
 
 def _missing(cell: m.CellRequest, client: str, found: str) -> str:
     return (f"client {client!r} of {cell.method} seed {cell.seed} saved its state (kept between rounds) on its node "
-            f"after round {cell.state_round}, but {found}")
+            f"after round {max(cell.state_round, cell.state_at_least)}, but {found}")
 
 
 def _check_global(shared: dict[str, torch.Tensor], shared_keys: list[str]) -> None:
