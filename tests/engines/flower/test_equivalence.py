@@ -63,6 +63,20 @@ def test_flower_metrics_equal_the_in_process_engine(tmp_path, extra):
     assert partitions(tmp_path / "flower") == partitions(tmp_path / "in_process")  # the nodes' data, not placeholders
 
 
+def test_a_node_that_keeps_its_label_counts_to_itself_reports_sizes_and_sha256_only(tmp_path):
+    # node config share-labels=false: the label counts per class never leave the node; the run's numbers and the
+    # sizes and sha256 in partitions.json (what a resume checks) are those of the in-process run
+    config = tiny_config("methods=[fedavg]", "federation.rounds=1")
+    grid = in_process_and_flower(tmp_path, config, [{"client-index": 0, "share-labels": False},
+                                                   {"client-index": 1, "share-labels": "false"}])
+    assert metrics(tmp_path / "flower", config) == metrics(tmp_path / "in_process", config)
+    without_labels = [{k: ({kk: vv for kk, vv in v.items() if kk != "labels"} if isinstance(v, dict) else v)
+                       for k, v in record.items()} for record in partitions(tmp_path / "in_process")]
+    assert partitions(tmp_path / "flower") == without_labels != partitions(tmp_path / "in_process")
+    rosters = [r for r in grid.received if "roster" in r.content.config_records]
+    assert rosters and all('"labels"' not in p for r in rosters for p in r.content.config_records["roster"]["partition"])
+
+
 def test_cross_device_sampling_gives_the_in_process_numbers(tmp_path):
     """8 stateless clients, half of them sampled each round, one client per node."""
     config = tiny_config("methods=[fixbn, fedavg]", "federation.setting=cross_device", "data.partition=even",

@@ -34,3 +34,17 @@ def test_a_node_holding_only_an_external_client_needs_only_its_domain_file(tmp_p
     # the internal client does need its own file
     with pytest.raises(DataError, match="mnist"):
         _client_at(config, 0, str(only_usps))
+
+
+def test_a_node_config_is_read_and_a_bad_value_named():
+    from fednorm.engines.flower.node import NodeConfigError, NodeSpec
+
+    spec = NodeSpec.from_node_config({"client-index": "0,2", "state-dir": "/s", "share-labels": "False"})
+    assert (spec.indexes, spec.state_dir, spec.share_labels) == ((0, 2), "/s", False)
+    assert NodeSpec.from_node_config({"partition-id": 1, "num-partitions": 2}).share_labels is True
+    with pytest.raises(NodeConfigError, match="share-labels='maybe' must be true or false"):
+        NodeSpec.from_node_config({"client-index": 0, "share-labels": "maybe"})
+    with pytest.raises(NodeConfigError, match="client-index='x' must be an integer"):
+        NodeSpec.from_node_config({"client-index": "x"})
+    with pytest.raises(NodeConfigError, match="does not say which clients it holds"):
+        NodeSpec.from_node_config({"data-dir": "/d"})

@@ -44,6 +44,7 @@ NODE_CLIENTS = "clients"
 NODE_CLIENT_INDEX = "client-index"
 NODE_DATA_DIR = "data-dir"
 NODE_STATE_DIR = "state-dir"
+NODE_SHARE_LABELS = "share-labels"
 PARTITION_ID = "partition-id"
 NUM_PARTITIONS = "num-partitions"
 
@@ -159,6 +160,7 @@ class NodeSpec:
     partition: tuple[int, int] | None = None  # (partition-id, num-partitions)
     data_dir: str | None = None
     state_dir: str | None = None  # the clients' memories on disk (resumable runs), else Context.state only
+    share_labels: bool = True  # the roster's partition records include labels per class (else sizes and sha256)
 
     @classmethod
     def from_node_config(cls, node_config, data_dir: str | None = None, state_dir: str | None = None) -> "NodeSpec":
@@ -179,7 +181,13 @@ class NodeSpec:
                 "\"clients='NAME'\" or \"client-index=K\" (`fednorm flower clients CONFIG` lists them)")
         folder = cfg.get(NODE_DATA_DIR) or data_dir
         state = cfg.get(NODE_STATE_DIR) or state_dir
-        return cls(names, indexes, partition, str(folder) if folder else None, str(state) if state else None)
+        share = cfg.get(NODE_SHARE_LABELS, True)
+        if isinstance(share, str):
+            if share.strip().lower() not in ("true", "false"):
+                raise NodeConfigError(f"node config {NODE_SHARE_LABELS}={share!r} must be true or false")
+            share = share.strip().lower() == "true"
+        return cls(names, indexes, partition, str(folder) if folder else None, str(state) if state else None,
+                   bool(share))
 
     def clients(self, config: ExperimentConfig) -> dict[int, ClientData]:
         """The node's clients with their data, by federation position."""
@@ -330,7 +338,7 @@ class NodeClients:
                                  len(c.test), -1 if c.val is None else len(c.val), _shape(c.train.x),
                                  str(c.train.x.dtype).removeprefix("torch."), _shape(c.train.y),
                                  str(c.train.y.dtype).removeprefix("torch."), bool(spec.state_dir),
-                                 json.dumps(partition_record([c])[0]))
+                                 json.dumps(_partition_record(c, spec.share_labels)))
                    for i, c in spec.clients(config).items()]
         return Message(RecordDict({m.ROSTER: m.roster_record(entries)}), reply_to=message)
 
@@ -390,6 +398,17 @@ class NodeClients:
             engine.eval_clients = [target]
             evals = engine.evaluate(cell.splits or ("test", "val"))
         return Message(m.encode_evaluations(evals), reply_to=message)
+
+
+def _partition_record(client: ClientData, share_labels: bool) -> dict:
+    """The client's entry of partitions.json, without its labels per class when the node keeps them to itself
+    (node config share-labels=false: the server then learns sizes and sha256 only; a resume still checks them)."""
+    record = partition_record([client])[0]
+    if not share_labels:
+        for split in ("train", "val", "test"):
+            if split in record:
+                record[split] = {k: v for k, v in record[split].items() if k != "labels"}
+    return record
 
 
 def _missing(cell: m.CellRequest, client: str, found: str) -> str:
