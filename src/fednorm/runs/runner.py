@@ -830,7 +830,7 @@ def check_partitions(run_dir: Path, clients: list[ClientData]) -> None:
     saved = json.loads(path.read_text())
     if saved == record:
         return
-    if len(saved) == len(record):
+    if len(saved) == len(record) and any("partition_record" in c.meta for c in clients):
         # a Flower run started before its nodes reported their records: the file describes the server's placeholder
         # clients (zeros), not data; the nodes' records replace those entries (a node of that fednorm reports none)
         placeholders = partition_record([replace(c, meta={k: v for k, v in c.meta.items() if k != "partition_record"})

@@ -635,15 +635,14 @@ class FlowerEngine:
                 "cell folder to rerun the cell, with every SuperNode started with --node-config \"state-dir='DIR'\" "
                 "so that the run can resume")
         self.core.load_state_dict(state)
-        # checkpoints written before fednorm recorded which snapshot each client saved (none, or a list of names):
-        # nothing is checked, and a node reads its newest snapshot of a client at or before the checkpoint's round
-        # until a reply of that client is used
+        # checkpoints written before fednorm recorded which snapshot each client saved: nothing is checked, and a
+        # node reads its newest snapshot of a client at or before the checkpoint's round until a reply of that
+        # client is used
         recorded = state.get("clients_with_state")
-        self.clients_with_state = ({str(k): int(v) for k, v in recorded.items()} if isinstance(recorded, dict)
-                                   else {})
+        self.clients_with_state = {str(k): int(v) for k, v in (recorded or {}).items()}
         self.clients_with_volatile_state = set(state.get("clients_with_volatile_state", []))
         self.client_state_unrecorded_at = int(state.get("client_state_unrecorded_at",
-                                                        -1 if isinstance(recorded, dict) else state["round"]))
+                                                        -1 if recorded is not None else state["round"]))
 
 
 # ------------------------------------------------------------------------------------------ the ServerApp's main
