@@ -80,7 +80,9 @@ def test_a_reply_for_another_client_or_with_bad_counts_is_refused():
         m.decode_reply(content, "a", 1.0)
 
 
-def test_client_memory_lives_in_context_state():
+def test_client_memory_lives_in_context_state_one_snapshot_per_round():
+    from fednorm.engines.flower.node_state import ContextStateStore
+
     state = RecordDict()
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -88,14 +90,18 @@ def test_client_memory_lives_in_context_state():
     opt.step()
     memory = ClientMemory({"bn.weight": torch.rand(3), "bn.num_batches_tracked": torch.tensor(2)}, opt.state_dict(),
                           {"c_i.w": torch.rand(2, 2)})
-    m.save_memory(state, "p", memory)
-    back = m.load_memory(state, "p")
+    store = ContextStateStore(state)
+    store.save("p", 1, memory)
+    back = store.read("p", 1)
     assert torch.equal(back.local_state["bn.weight"], memory.local_state["bn.weight"])
     assert back.local_state["bn.num_batches_tracked"].dtype == torch.int64
     assert torch.equal(back.algorithm_state["c_i.w"], memory.algorithm_state["c_i.w"])
     buf = memory.optimizer_state["state"][0]["momentum_buffer"]
     assert torch.equal(back.optimizer_state["state"][0]["momentum_buffer"], buf)
-    assert m.load_memory(state, "other") == ClientMemory()
+    assert store.load("other", 5) == ClientMemory() and store.rounds("other") == []
+    store.save("p", 2, ClientMemory({"bn.weight": torch.zeros(3)}, None, {}))  # no optimizer state kept
+    assert store.read("p", 2).optimizer_state is None and store.rounds("p") == [1, 2]
+    assert all(key.startswith("p/round") for key in state.keys())
 
 
 def test_roster_and_evaluations_round_trip():

@@ -6,12 +6,13 @@ import shutil
 
 import pytest
 import torch
+from flwr.app import RecordDict
 
 from fednorm.engines.client_step import ClientMemory
 from fednorm.engines.flower import messages as m
 from fednorm.engines.flower.app import make_client_app
 from fednorm.engines.flower.node import experiment_text
-from fednorm.engines.flower.node_state import NodeStateStore
+from fednorm.engines.flower.node_state import ContextStateStore, NodeStateStore
 from fednorm.engines.flower.server import PARTICIPATION_FILE, FlowerOptions, ServerSettings, run_experiment
 from fednorm.runs import store
 from fednorm.runs.runner import RunError, start_run
@@ -35,8 +36,14 @@ def memory(value: float) -> ClientMemory:
     return ClientMemory({"bn.weight": torch.full((2,), value)}, None, {})
 
 
-def test_node_state_store_reads_the_newest_snapshot_at_or_before_a_round(tmp_path):
-    nodes = NodeStateStore(tmp_path)
+@pytest.fixture(params=["state-dir", "run context"])
+def snapshot_store(request, tmp_path):
+    """A node's client-state store: on disk (state-dir) or in its Context.state; both keep snapshots alike."""
+    return NodeStateStore(tmp_path) if request.param == "state-dir" else ContextStateStore(RecordDict())
+
+
+def test_node_state_store_reads_the_newest_snapshot_at_or_before_a_round(snapshot_store):
+    nodes = snapshot_store
     assert nodes.load("m/seed0/c", 5).local_state == {}  # never trained: empty memory
     for r in (1, 2, 3):
         nodes.save("m/seed0/c", r, memory(r), checkpoint_every=2)
@@ -54,8 +61,8 @@ def test_node_state_store_reads_the_newest_snapshot_at_or_before_a_round(tmp_pat
     assert nodes.rounds("m/seed0/c") == [4, 5]                 # its old round 6 belongs to a future that is redone
 
 
-def test_node_state_store_writing_a_snapshot_drops_the_ones_after_the_snapshot_it_started_from(tmp_path):
-    nodes = NodeStateStore(tmp_path)
+def test_node_state_store_writing_a_snapshot_drops_the_ones_after_the_snapshot_it_started_from(snapshot_store):
+    nodes = snapshot_store
     for r in (2, 3, 4):  # round 3 and 4: of a run stopped after round 4, resumed from its round-2 checkpoint
         nodes.save("m/seed0/c", r, memory(r), checkpoint_every=2)
     # the resumed run left the client out of round 3; it trains in round 5 from the round-2 snapshot the server names
@@ -223,9 +230,11 @@ def test_a_client_left_out_of_a_redone_round_does_not_go_on_from_the_abandoned_r
     assert (metrics, used) == resume(tmp_path / "flower_fresh_nodes", fresh_nodes)
 
 
-def test_a_scaffold_client_whose_reply_was_left_out_goes_on_from_its_state_before_it(tmp_path):
+@pytest.mark.parametrize("on_disk", [True, False], ids=["state-dir", "run context"])
+def test_a_scaffold_client_whose_reply_was_left_out_goes_on_from_its_state_before_it(tmp_path, on_disk):
     # SCAFFOLD's server control variate c moves by the used replies only (c += |S|/N mean dc_i): it stays the mean
-    # of the clients' c_i only if a client whose reply was left out also keeps its c_i of before
+    # of the clients' c_i only if a client whose reply was left out also keeps its c_i of before, whether its node
+    # keeps its snapshots on disk or in its run context
     from flwr.app import MessageType
 
     def corrupt_neon_in_round_2(node, message, reply):
@@ -236,8 +245,8 @@ def test_a_scaffold_client_whose_reply_was_left_out_goes_on_from_its_state_befor
         return reply
     config = tiny_config("methods=[scaffold]", "federation.rounds=3", "federation.checkpoint_every=1")
     state = tmp_path / "node_state"
-    grid = FakeGrid(make_client_app(state_dir=str(state)), [{"client-index": 0}, {"client-index": 1}],
-                    tamper=corrupt_neon_in_round_2)
+    grid = FakeGrid(make_client_app(state_dir=str(state) if on_disk else None),
+                    [{"client-index": 0}, {"client-index": 1}], tamper=corrupt_neon_in_round_2)
     run_flower(config, tmp_path / "flower", None, grid=grid)
     cell = tmp_path / "flower" / "scaffold" / "seed0"
     used = [r["used"] for r in store.read_metrics(cell / PARTICIPATION_FILE) if r["kind"] == "train"]
@@ -245,12 +254,69 @@ def test_a_scaffold_client_whose_reply_was_left_out_goes_on_from_its_state_befor
     checkpoint = store.load_checkpoint(cell / store.CHECKPOINT_FILE)
     assert checkpoint["clients_with_state"] == {"rendered/print": 3, "rendered/neon": 3}
     c_global = checkpoint["algorithm_server_state"]
-    c_clients = [NodeStateStore(state).read(str(p.parent.relative_to(state)), 3).algorithm_state
-                 for p in sorted(state.rglob("round3.pt"))]
+    if on_disk:
+        c_clients = [NodeStateStore(state).read(str(p.parent.relative_to(state)), 3).algorithm_state
+                     for p in sorted(state.rglob("round3.pt"))]
+    else:
+        assert not state.exists()
+        c_clients = [ContextStateStore(context.state).read(key.removesuffix("/round3/local"), 3).algorithm_state
+                     for context in grid.contexts.values() for key in context.state.keys()
+                     if key.endswith("/round3/local")]
     assert len(c_clients) == 2 and c_global
     for k, c in c_global.items():
         mean_c_i = torch.stack([ci["c_i." + k.removeprefix("c.")] for ci in c_clients]).mean(dim=0)
         torch.testing.assert_close(c, mean_c_i, rtol=0, atol=1e-6)
+
+
+def test_a_node_without_a_state_dir_reads_the_snapshot_the_server_names_from_its_run_context():
+    from flwr.app import Context
+
+    from fednorm.engines.flower.node import ClientStateMissing, NodeClients, NodeSpec
+
+    spec, context = NodeSpec(), Context(1, 1, {}, RecordDict(), {})
+
+    def cell(state_round, in_context=True):
+        return m.CellRequest("name: x", "fedbn", 0, "c", run_id="r", state_round=state_round,
+                             state_in_context=in_context)
+    prefix = m.memory_prefix(cell(0), "c")
+    contexts = ContextStateStore(context.state)
+    contexts.save(prefix, 1, memory(1))
+    contexts.save(prefix, 2, memory(2), started_from=1)  # round 2's reply: not yet known to be used
+    got, read = NodeClients._load_memory(context, spec, cell(1), "c", at_round=2)
+    assert read == 1 and got.local_state["bn.weight"].tolist() == [1.0, 1.0]  # the server used round 1's, not 2's
+    got, read = NodeClients._load_memory(context, spec, cell(m.NO_CLIENT_STATE), "c", at_round=2)
+    assert read == -1 and got == ClientMemory()
+    # a server of the fednorm before names nothing for a node without a state-dir: the newest, as that node read it
+    got, read = NodeClients._load_memory(context, spec, cell(m.NO_CLIENT_STATE, in_context=False), "c", at_round=2)
+    assert read is None and got.local_state["bn.weight"].tolist() == [2.0, 2.0]
+    with pytest.raises(ClientStateMissing, match="this node has no state-dir"):  # a snapshot on disk, named so
+        NodeClients._load_memory(context, spec, cell(2, in_context=False), "c", at_round=2)
+    # restarted (its run context lost the snapshot; it may hold one of training since that was not used): the
+    # client starts from the global model, as docs/flower.md promises
+    restarted = Context(1, 1, {}, RecordDict(), {})
+    for held in ([], [3]):
+        for r in held:
+            ContextStateStore(restarted.state).save(prefix, r, memory(r), started_from=-1)
+        got, read = NodeClients._load_memory(restarted, spec, cell(2), "c", at_round=3)
+        assert read == -1 and got == ClientMemory()
+
+
+@pytest.mark.parametrize("earlier_node", [False, True])
+def test_the_server_names_run_context_snapshots_only_to_nodes_that_keep_them(tmp_path, earlier_node):
+    # a node of the fednorm before, without a state-dir, keeps only its newest state, and its roster has no
+    # context_snapshots column: the server sends it -1 (read your newest), as that fednorm's server did
+    from flwr.app import MessageType
+
+    def as_earlier_node(node, message, reply):
+        if earlier_node and m.ROSTER in reply.content.config_records:
+            del reply.content.config_records[m.ROSTER]["context_snapshots"]
+        return reply
+    config = tiny_config("federation.rounds=3", "federation.eval_every=1")
+    grid = FakeGrid(make_client_app(), [{"client-index": 0}, {"client-index": 1}], tamper=as_earlier_node)
+    run_flower(config, tmp_path / "flower", None, grid=grid)
+    named = [m.CellRequest.decode(msg.content).state_round for msg in grid.sent
+             if msg.metadata.message_type == MessageType.TRAIN]
+    assert named == ([m.NO_CLIENT_STATE] * 6 if earlier_node else [m.NO_CLIENT_STATE] * 2 + [1, 1, 2, 2])
 
 
 def test_a_run_whose_nodes_had_no_state_dir_is_not_resumed_on_nodes_with_one(tmp_path):

@@ -12,7 +12,7 @@ label, the seed, the client it is for), so a node needs nothing but its own data
 | evaluate         | cell, ``global``, ``input_state``                | one ConfigRecord per split (``eval.test``, ...) |
 
 Local entries (FedBN's BN state, SiloBN's statistics), optimizer state and client algorithm state are
-never in a message: they live in the node's ``Context.state`` (:func:`save_memory`).
+never in a message: they stay on the node (``node_state``: its state-dir, else its ``Context.state``).
 
 Decoding is strict: anything missing or of the wrong type raises :class:`UpdateError` naming the
 record and the client, which the server logs before leaving the reply out of the round.
@@ -20,7 +20,6 @@ record and the client, which the server logs before leaving the reply out of the
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from dataclasses import MISSING, asdict, dataclass, fields
@@ -32,7 +31,7 @@ from ...methods.aggregation import UpdateError
 from ...methods.local_update import LocalResult
 from ...methods.server import ClientReply
 from ...methods.tasks import balanced_accuracy
-from ..client_step import ClientMemory, RoundInstructions
+from ..client_step import RoundInstructions
 
 CELL = "cell"
 INSTRUCTIONS = "instructions"
@@ -96,6 +95,10 @@ class CellRequest:
     # from a server of the fednorm before (which named no snapshot): the newest snapshot must be at least this
     # round (-1: no check)
     state_at_least: int = -1
+    # the server names the snapshot of a node without a state-dir too (which then keeps them per round in its run
+    # context, RosterEntry.context_snapshots). False from a server of an earlier fednorm, whose state_round for such
+    # a node was -1 whatever the node held: the node then reads its newest
+    state_in_context: bool = False
 
     def record(self) -> ConfigRecord:
         # "state_snapshot" carries state_round. Servers of the fednorm before sent "state_round" with another rule
@@ -106,7 +109,7 @@ class CellRequest:
                              "splits": list(self.splits), "external_modes": list(self.external_modes),
                              "round": int(self.round), "run_id": self.run_id,
                              "state_snapshot": int(self.state_round), "state_at_most": int(self.state_at_most),
-                             "state_round": int(self.state_round)})
+                             "state_round": int(self.state_round), "state_in_context": bool(self.state_in_context)})
 
     @classmethod
     def decode(cls, content: RecordDict) -> "CellRequest":
@@ -118,7 +121,8 @@ class CellRequest:
                    tuple(str(s) for s in record.get("external_modes", [])), int(record.get("round", -1)),
                    str(record.get("run_id", "")), int(record.get("state_snapshot", UNKNOWN_CLIENT_STATE)),
                    int(record.get("state_at_most", -1)),
-                   -1 if "state_snapshot" in record else max(int(record.get("state_round", -1)), -1))
+                   -1 if "state_snapshot" in record else max(int(record.get("state_round", -1)), -1),
+                   bool(record.get("state_in_context", False)))
 
 
 # ------------------------------------------------------------------------------------------ instructions
@@ -264,6 +268,9 @@ class RosterEntry:
     # the client's entry of the run's partitions.json as JSON (split sizes, labels per class, a sha256 of each split:
     # what a resume checks the data against), computed on the node; "" from a node of an earlier fednorm
     partition: str = ""
+    # without a state-dir, the node keeps the client's state per round in its run context and reads the snapshot
+    # the server names, as a node with a state-dir does (False from an earlier node: it keeps only the newest)
+    context_snapshots: bool = False
 
 
 def roster_record(entries: list[RosterEntry]) -> ConfigRecord:
@@ -304,26 +311,3 @@ def memory_prefix(cell: CellRequest, client: str) -> str:
     existed keep their old place."""
     run = f"{cell.run_id}/" if cell.run_id else ""
     return f"fednorm/{run}{cell.method}/seed{cell.seed}/{client}"
-
-
-def save_memory(state: RecordDict, prefix: str, memory: ClientMemory) -> None:
-    """Keep ``memory`` in the node's ``Context.state`` (which Flower never sends anywhere)."""
-    state[f"{prefix}/local"] = to_arrays(memory.local_state)
-    state[f"{prefix}/algorithm"] = to_arrays(memory.algorithm_state)
-    if memory.optimizer_state is not None:
-        buffer = io.BytesIO()
-        torch.save(memory.optimizer_state, buffer)
-        state[f"{prefix}/optimizer"] = ConfigRecord({"torch": buffer.getvalue()})
-
-
-def load_memory(state: RecordDict, prefix: str) -> ClientMemory:
-    """The client's memory from ``Context.state``; empty the first time the client is asked."""
-    memory = ClientMemory()
-    if f"{prefix}/local" in state:
-        memory.local_state = dict(state.array_records[f"{prefix}/local"].to_torch_state_dict())
-    if f"{prefix}/algorithm" in state:
-        memory.algorithm_state = dict(state.array_records[f"{prefix}/algorithm"].to_torch_state_dict())
-    if f"{prefix}/optimizer" in state:
-        raw = state.config_records[f"{prefix}/optimizer"]["torch"]
-        memory.optimizer_state = torch.load(io.BytesIO(raw), weights_only=True)
-    return memory

@@ -18,7 +18,7 @@ federation, so there every node reads every domain's file (and keeps only its cl
 
 Training is :class:`fednorm.engines.client_step.ClientRunner` on the node's own engine (the in-process
 engine of the cell, which gives the same model, input preparation and evaluation); what a client keeps
-between rounds lives in ``Context.state``.
+between rounds lives in its state-dir, else in ``Context.state`` (``node_state``), one snapshot per round.
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
+from logging import WARNING
 
 import torch
 import yaml
 from flwr.app import Context, Message, RecordDict
+from flwr.common.logger import log
 
 from ...data.domain import ClientData
 from ...data.federation import domain_eval_clients, parse_domain
@@ -38,7 +40,7 @@ from ...runs.runner import clients_per_domain, partition_record, with_validation
 from ..client_step import ClientMemory
 from ..device import to_device
 from . import messages as m
-from .node_state import NodeStateStore
+from .node_state import ContextStateStore, NodeStateStore, SnapshotStore
 
 NODE_CLIENTS = "clients"
 NODE_CLIENT_INDEX = "client-index"
@@ -280,35 +282,45 @@ class NodeClients:
         return engine, initial, client, spec
 
     @staticmethod
-    def _load_memory(context: Context, spec: NodeSpec, cell: m.CellRequest, client: str, at_round: int
+    def _store(context: Context, spec: NodeSpec) -> SnapshotStore:
+        """Where the node keeps its clients' state: its state-dir (it survives the run), else its run context."""
+        return NodeStateStore(spec.state_dir) if spec.state_dir else ContextStateStore(context.state)
+
+    @classmethod
+    def _load_memory(cls, context: Context, spec: NodeSpec, cell: m.CellRequest, client: str, at_round: int
                      ) -> tuple[ClientMemory, int | None]:
         """The client's memory as of ``at_round`` completed rounds, and the round of the snapshot it is (-1: none;
-        None: not from the state folder). From the state folder when the node has one (it survives the run): the
-        snapshot the server names (``cell.state_round``); else from ``Context.state``. Raises
-        :class:`ClientStateMissing` when the node lacks the snapshot the server names."""
+        None: the newest, as an older server wants it): the snapshot the server names (``cell.state_round``).
+        Raises :class:`ClientStateMissing` when a node with a state-dir lacks it; a node without one that lacks it
+        was restarted, and its client starts from the global model (docs/flower.md, "Bad replies and lost nodes")."""
         prefix = m.memory_prefix(cell, client)
-        if not (spec.state_dir and at_round >= 0):
+        store, where = cls._store(context, spec), f"state-dir {spec.state_dir}" if spec.state_dir else "its run context"
+        if not spec.state_dir and not cell.state_in_context:  # a server of an earlier fednorm: the newest
             if cell.state_round >= 0 or cell.state_at_least >= 0:
-                # a state_round is only ever given for state saved in a state-dir, which a node without one cannot
-                # hold: whatever its run context keeps of the client is older (it held the client before)
+                # that server named a snapshot only for state saved in a state-dir, which this node cannot hold:
+                # whatever its run context keeps of the client is older (it held the client before)
                 raise ClientStateMissing(_missing(cell, client, "this node has no state-dir"))
-            return m.load_memory(context.state, prefix), None
-        nodes = NodeStateStore(spec.state_dir)
+            return store.load(prefix, max(at_round, 0)), None
         if cell.state_round == m.UNKNOWN_CLIENT_STATE:  # an older server or checkpoint: the newest snapshot
-            newest = nodes.newest(prefix, at_round if cell.state_at_most < 0 else min(at_round, cell.state_at_most))
+            if at_round < 0:
+                return ClientMemory(), None
+            newest = store.newest(prefix, at_round if cell.state_at_most < 0 else min(at_round, cell.state_at_most))
             if cell.state_at_least >= 0 and (newest is None or newest < cell.state_at_least):
-                raise ClientStateMissing(_missing(cell, client, f"its newest in state-dir {spec.state_dir} is of round "
-                                                  f"{newest}" if newest is not None else
-                                                  f"it has none in state-dir {spec.state_dir}"))
-            return (ClientMemory(), -1) if newest is None else (nodes.read(prefix, newest), newest)
+                raise ClientStateMissing(_missing(cell, client, f"its newest in {where} is of round {newest}"
+                                                  if newest is not None else f"it has none in {where}"))
+            return (ClientMemory(), -1) if newest is None else (store.read(prefix, newest), newest)
         if cell.state_round == m.NO_CLIENT_STATE:  # any snapshot is of rounds a resumed run redoes, or unused
             return ClientMemory(), -1
-        held = nodes.rounds(prefix)
-        if cell.state_round not in held:
-            found = (f"state-dir {spec.state_dir} holds no snapshot of that round (its snapshots of the client: "
-                     f"rounds {held})" if held else f"it has none in state-dir {spec.state_dir}")
-            raise ClientStateMissing(_missing(cell, client, found))
-        return nodes.read(prefix, cell.state_round), cell.state_round
+        held = store.rounds(prefix)
+        if cell.state_round in held:
+            return store.read(prefix, cell.state_round), cell.state_round
+        if not spec.state_dir:
+            # a run context loses a snapshot only with the node (restarted; what it trained since was not used)
+            log(WARNING, "fednorm: this node does not hold the state client %r saved after round %s: restarted "
+                "without a state-dir, it starts the client from the global model", client, cell.state_round)
+            return ClientMemory(), -1
+        raise ClientStateMissing(_missing(cell, client, f"{where} holds no snapshot of that round (its snapshots of "
+                                          f"the client: rounds {held})" if held else f"it has none in {where}"))
 
     def query(self, message: Message, context: Context) -> Message:
         """A query message: the roster (no method named), or a client's BN affine parameters."""
@@ -338,7 +350,7 @@ class NodeClients:
                                  len(c.test), -1 if c.val is None else len(c.val), _shape(c.train.x),
                                  str(c.train.x.dtype).removeprefix("torch."), _shape(c.train.y),
                                  str(c.train.y.dtype).removeprefix("torch."), bool(spec.state_dir),
-                                 json.dumps(_partition_record(c, spec.share_labels)))
+                                 json.dumps(_partition_record(c, spec.share_labels)), context_snapshots=True)
                    for i, c in spec.clients(config).items()]
         return Message(RecordDict({m.ROSTER: m.roster_record(entries)}), reply_to=message)
 
@@ -358,13 +370,10 @@ class NodeClients:
         kept = type(memory)(memory.local_state if engine.local_keys else {},
                             memory.optimizer_state if engine.federation.persistent_optimizer else None,
                             memory.algorithm_state if engine.algorithm.stateful else {})
-        if spec.state_dir:
-            if kept.local_state or kept.optimizer_state is not None or kept.algorithm_state:
-                config = load_experiment(cell.experiment)
-                NodeStateStore(spec.state_dir).save(prefix, instructions.round + 1, kept,
-                                                    config.federation.checkpoint_every, started_from)
-        else:
-            m.save_memory(context.state, prefix, kept)
+        if kept.local_state or kept.optimizer_state is not None or kept.algorithm_state:
+            # a run context does not outlive the run: no checkpoint can name its older snapshots
+            every = load_experiment(cell.experiment).federation.checkpoint_every if spec.state_dir else 1
+            self._store(context, spec).save(prefix, instructions.round + 1, kept, every, started_from)
         return Message(m.encode_reply(reply, algorithm_message, result), reply_to=message)
 
     def evaluate(self, message: Message, context: Context) -> Message:

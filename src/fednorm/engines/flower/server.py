@@ -294,12 +294,12 @@ class FlowerEngine:
         self._participation_checked = False  # rounds after the cell's checkpoint are dropped at the first write
         core = self.core
         # under a method whose clients keep state (their BN layers, optimizer, control variates), a node that
-        # answers a train message has saved that state (node.py, train). On a node with a state-dir: every later
-        # message names the round it was saved after (client -> rounds completed, CellRequest.state_round), and a
-        # node without that snapshot (another runtime or state-dir on resume, a restart without it) stops the
-        # run instead of starting the client afresh. A node without a state-dir promises no more than its run
-        # context: restarted, its clients start from the global model (docs/flower.md); but a resume cannot
-        # bring their state back (load_state_dict). Both are checkpointed.
+        # answers a train message has saved that state (node.py, train), in its state-dir or its run context. Every
+        # later message names the round it was saved after (client -> rounds completed, CellRequest.state_round),
+        # and a node with a state-dir but without that snapshot (another runtime or state-dir on resume, a restart
+        # without it) stops the run instead of starting the client afresh. A node without a state-dir promises no
+        # more than its run context: restarted, its clients start from the global model (docs/flower.md); but a
+        # resume cannot bring their state back (load_state_dict). Both are checkpointed.
         self.keeps_client_state = bool(core.local_keys or core.federation.persistent_optimizer
                                        or core.algorithm.stateful)
         self.clients_with_state: dict[str, int] = {}
@@ -319,7 +319,7 @@ class FlowerEngine:
         return m.CellRequest(self.experiment, self.label, self.seed, client, record_as or client, splits,
                              round=self.core.round, run_id=self.run_id, state_round=state_round,
                              state_at_most=self.client_state_unrecorded_at
-                             if state_round == m.UNKNOWN_CLIENT_STATE else -1)
+                             if state_round == m.UNKNOWN_CLIENT_STATE else -1, state_in_context=True)
 
     def _state_round(self, client: str) -> int:
         """The snapshot of ``client``'s state its node must read (CellRequest.state_round)."""
@@ -437,17 +437,22 @@ class FlowerEngine:
 
     def _count_client_state(self, trained: set[str], used: list[str], r: int) -> None:
         """Of the clients that ``trained`` in round ``r`` (they answered), those whose replies were ``used`` (went
-        into the global model) go on from the state they saved in it; on a node with a state-dir, the others (left
-        out, late, or the round's update failed) go on from their state before it, the snapshot the server names,
+        into the global model) go on from the state they saved in it; the others (left out, late, or the round's
+        update failed) go on from their state before it, the snapshot the server names (on a node of an earlier
+        fednorm without a state-dir: from their newest),
         as if they had not trained (which keeps SCAFFOLD's server control variate the mean of the clients'; the
         in-process engine uses every reply). Called after the divergence check: a diverged round is not counted,
         and `record` evaluates the cell as of round r."""
         if not self.keeps_client_state:
             return
-        persistent = {e.name for e in self.roster.entries.values() if e.persistent}
-        self.clients_with_state.update({name: r + 1 for name in used if name in persistent})
-        # a client whose state is on disk since has its state on disk from then on. A node without a state-dir keeps
-        # the client's newest state in its run context, whether its reply was used or not
+        entries = self.roster.entries.values()
+        persistent = {e.name for e in entries if e.persistent}
+        # a node of an earlier fednorm without a state-dir keeps the client's newest state in its run context,
+        # whether its reply was used or not: the server names no snapshot for it
+        named = persistent | {e.name for e in entries if e.context_snapshots}
+        self.clients_with_state.update({name: r + 1 for name in used if name in named})
+        # a client whose state is on disk since has its state on disk from then on; the others' is in a run context
+        # (lost when their node restarts, and with the run)
         self.clients_with_volatile_state = ((self.clients_with_volatile_state - (set(used) & persistent))
                                             | (trained - persistent))
 
