@@ -28,17 +28,19 @@ def test_instructions_round_trip():
     assert m.decode_instructions(RecordDict({m.INSTRUCTIONS: m.instructions_record(ins)})) == ins
 
 
+@pytest.mark.parametrize("in_context", [False, True])
 @pytest.mark.parametrize("state_round", [5, m.NO_CLIENT_STATE, m.UNKNOWN_CLIENT_STATE])
-def test_cell_request_round_trips_and_an_older_servers_request_names_no_snapshot(state_round):
+def test_cell_request_round_trips_and_an_older_servers_request_names_no_snapshot(state_round, in_context):
     cell = m.CellRequest("name: x", "FedBN", 2, "mnist", "mnist", ("test", "val"), ("fedbn_average",), round=7,
-                         run_id="abc", state_round=state_round, state_at_most=3)
+                         run_id="abc", state_round=state_round, state_at_most=3, state_in_context=in_context)
     assert m.CellRequest.decode(RecordDict({m.CELL: cell.record()})) == cell
     # a node of the fednorm before reads "state_round": its newest snapshot, at least of that round (< 0: no check)
     assert cell.record()["state_round"] == state_round
-    older = cell.record()
-    del older["state_snapshot"], older["state_at_most"]  # a server of the fednorm before: "state_round" only,
+    older = cell.record()  # a server of the fednorm before: "state_round" only,
+    del older["state_snapshot"], older["state_at_most"], older["state_in_context"]
     back = m.CellRequest.decode(RecordDict({m.CELL: older}))  # whose -1 meant "nothing recorded", not "none"
     assert back.state_round == m.UNKNOWN_CLIENT_STATE and back.state_at_most == -1  # the node's newest,
+    assert not back.state_in_context  # (on a node without a state-dir too)
     assert back.state_at_least == max(state_round, -1)  # with that server's check
     del older["state_round"], older["run_id"], older["external_modes"]  # a server of an earlier fednorm still
     assert m.CellRequest.decode(RecordDict({m.CELL: older})) == m.CellRequest(

@@ -319,6 +319,67 @@ def test_the_server_names_run_context_snapshots_only_to_nodes_that_keep_them(tmp
     assert named == ([m.NO_CLIENT_STATE] * 6 if earlier_node else [m.NO_CLIENT_STATE] * 2 + [1, 1, 2, 2])
 
 
+def run_moving_neon(tmp_path, first_config: dict, then_config: dict, tamper=None):
+    """A FedBN run of 3 rounds over two nodes whose node of rendered/neon (101) dies after round 1 and, after
+    round 2, comes back as node 103 with ``then_config`` (a restart with another node config); (the grid, the
+    cell folder). ``tamper`` acts on node 103's replies."""
+    from flwr.app import Context
+
+    def restart(g):
+        g.restart(101, new_id=103)
+        g.contexts[103] = Context(run_id=1, node_id=103, node_config={"client-index": 1, **then_config},
+                                  state=RecordDict(), run_config={})
+        g.tamper = tamper
+    events = {1: lambda g: (g.dead.add(101), g.offline.add(101)), 2: restart}
+    grid = FakeGrid(make_client_app(), [{"client-index": 0, **first_config}, {"client-index": 1, **first_config}])
+    config = tiny_config("federation.rounds=3", "federation.eval_every=3")
+    run_experiment(grid, ServerSettings(experiment_text(config), str(tmp_path / "flower"),
+                                        FlowerOptions(round_timeout=0.5, node_wait=5)),
+                   lambda label, seed, rnd, rounds, last: events.get(rnd, lambda g: None)(grid))
+    return grid, tmp_path / "flower" / "fedbn" / "seed0"
+
+
+def named_in_train(grid, node: int, rnd: int) -> int:
+    from flwr.app import MessageType
+
+    return next(m.CellRequest.decode(msg.content).state_round for msg in grid.sent
+                if msg.metadata.message_type == MessageType.TRAIN and msg.metadata.dst_node_id == node
+                and msg.metadata.group_id == f"train-{rnd - 1}")
+
+
+def test_a_client_whose_state_is_on_disk_stops_the_run_on_a_node_restarted_without_its_state_dir(tmp_path):
+    state = str(tmp_path / "node_state")
+    with pytest.raises(RunError, match="client 'rendered/neon' lacks the state .* this node has no state-dir"):
+        run_moving_neon(tmp_path, {"state-dir": state}, {})
+
+
+@pytest.mark.parametrize("then", ["a state-dir", "an earlier fednorm"])
+def test_a_client_whose_state_was_in_a_lost_run_context_starts_afresh_on_its_new_node(tmp_path, then):
+    # its state died with its node's run context; on the new node (with a state-dir, or of an earlier fednorm
+    # without one, which keeps only its newest state) it starts from the global model, as on any restarted node
+    def as_earlier_node(node, message, reply):
+        if m.ROSTER in reply.content.config_records:
+            del reply.content.config_records[m.ROSTER]["context_snapshots"]
+        return reply
+    state = tmp_path / "node_state"
+    with_state_dir = then == "a state-dir"
+    grid, cell = run_moving_neon(tmp_path, {}, {"state-dir": str(state)} if with_state_dir else {},
+                                 None if with_state_dir else as_earlier_node)
+    used = [r["used"] for r in store.read_metrics(cell / PARTICIPATION_FILE) if r["kind"] == "train"]
+    assert used == [["rendered/print", "rendered/neon"], ["rendered/print"], ["rendered/print", "rendered/neon"]]
+    assert named_in_train(grid, 101, 1) == m.NO_CLIENT_STATE and named_in_train(grid, 100, 3) == 2
+    assert named_in_train(grid, 103, 3) == m.NO_CLIENT_STATE  # not round 1: that snapshot died with node 101
+    checkpoint = store.load_checkpoint(cell / store.CHECKPOINT_FILE)
+    if with_state_dir:  # from then on its state is on disk: named so, and no longer lost with a run context
+        assert checkpoint["clients_with_state"] == {"rendered/print": 3, "rendered/neon": 3}
+        assert checkpoint["clients_with_state_in_context"] == ["rendered/print"]
+        assert checkpoint["clients_with_volatile_state"] == ["rendered/print"]
+        assert len(list(state.rglob("round3.pt"))) == 1
+    else:  # the earlier node keeps its newest whatever the server names: none named
+        assert checkpoint["clients_with_state"] == {"rendered/print": 3}
+        assert checkpoint["clients_with_volatile_state"] == ["rendered/neon", "rendered/print"]
+
+
 def test_a_run_whose_nodes_had_no_state_dir_is_not_resumed_on_nodes_with_one(tmp_path):
     # the refusal below says to start the nodes with a state-dir; that makes later runs resumable, not this one:
     # what its clients trained before died with the stopped run

@@ -84,20 +84,22 @@ class CellRequest:
     round: int = -1  # rounds completed when the message is sent (where a node's saved client state applies)
     run_id: str = ""  # the run folder's id (run.json): a node keeps each run's client state apart
     # which snapshot of the client's state (kept between rounds, under a method whose clients keep state) the node
-    # must use: the rounds completed when the client last trained on a node that keeps its state on disk
-    # (state-dir), as of the run's accepted history. NO_CLIENT_STATE: it has none (it starts from the global
+    # must use: the rounds completed when the client's reply last went into the global model (on a node that keeps
+    # its state on disk, state-dir, or in its run context). NO_CLIENT_STATE: it has none (it starts from the global
     # model, whatever the node holds: snapshots of rounds a resumed run redoes are stale). UNKNOWN_CLIENT_STATE:
     # the server does not say (an older fednorm, or a checkpoint written before it recorded this): the newest
-    # snapshot at or before ``round`` and ``state_at_most`` (if >= 0). A node that lacks the named snapshot is not
-    # the node or state-dir that ran it: it must not start the client afresh or from other state
+    # snapshot at or before ``round`` and ``state_at_most`` (if >= 0). A node that lacks a snapshot named on disk is
+    # not the node or state-dir that ran it: it must not start the client afresh or from other state
     state_round: int = UNKNOWN_CLIENT_STATE
     state_at_most: int = -1
     # from a server of the fednorm before (which named no snapshot): the newest snapshot must be at least this
     # round (-1: no check)
     state_at_least: int = -1
-    # the server names the snapshot of a node without a state-dir too (which then keeps them per round in its run
-    # context, RosterEntry.context_snapshots). False from a server of an earlier fednorm, whose state_round for such
-    # a node was -1 whatever the node held: the node then reads its newest
+    # True: the server names snapshots kept in run contexts too (RosterEntry.context_snapshots), and the named one,
+    # if any, is in one; a node without a state-dir that lacks it was restarted, and starts the client from the
+    # global model. False: the named snapshot is on disk (a node without a state-dir cannot hold it), or the
+    # server is of an earlier fednorm, whose state_round for a node without a state-dir was -1 whatever the node
+    # held (the node then reads its newest)
     state_in_context: bool = False
 
     def record(self) -> ConfigRecord:

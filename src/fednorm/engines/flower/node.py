@@ -56,8 +56,8 @@ class NodeConfigError(ValueError):
 
 
 class ClientStateMissing(RuntimeError):
-    """The server says a client saved state on this node (a method whose clients keep state, a node with a
-    state-dir) after a round this node has no snapshot of: it is not the node or state-dir that ran it (another
+    """The server says a client saved state on disk (a method whose clients keep state, a node with a state-dir)
+    after a round this node has no snapshot of: it is not the node or state-dir that ran it (another
     runtime, another state-dir, a restart without it, snapshots deleted or restored from an older backup). The
     server stops the run on this error (its name is the marker) rather than let the client start afresh."""
 
@@ -291,14 +291,15 @@ class NodeClients:
                      ) -> tuple[ClientMemory, int | None]:
         """The client's memory as of ``at_round`` completed rounds, and the round of the snapshot it is (-1: none;
         None: the newest, as an older server wants it): the snapshot the server names (``cell.state_round``).
-        Raises :class:`ClientStateMissing` when a node with a state-dir lacks it; a node without one that lacks it
-        was restarted, and its client starts from the global model (docs/flower.md, "Bad replies and lost nodes")."""
+        Raises :class:`ClientStateMissing` when the node lacks a snapshot saved on disk; a node without a state-dir
+        that lacks one saved in its run context was restarted, and its client starts from the global model
+        (docs/flower.md, "Bad replies and lost nodes")."""
         prefix = m.memory_prefix(cell, client)
         store, where = cls._store(context, spec), f"state-dir {spec.state_dir}" if spec.state_dir else "its run context"
-        if not spec.state_dir and not cell.state_in_context:  # a server of an earlier fednorm: the newest
+        if not spec.state_dir and not cell.state_in_context:  # a snapshot on disk, or a server of an earlier fednorm
             if cell.state_round >= 0 or cell.state_at_least >= 0:
-                # that server named a snapshot only for state saved in a state-dir, which this node cannot hold:
-                # whatever its run context keeps of the client is older (it held the client before)
+                # a snapshot saved in a state-dir, which this node cannot hold: whatever its run context keeps of
+                # the client is older (it held the client before) or of no use
                 raise ClientStateMissing(_missing(cell, client, "this node has no state-dir"))
             return store.load(prefix, max(at_round, 0)), None
         if cell.state_round == m.UNKNOWN_CLIENT_STATE:  # an older server or checkpoint: the newest snapshot
@@ -315,9 +316,11 @@ class NodeClients:
         if cell.state_round in held:
             return store.read(prefix, cell.state_round), cell.state_round
         if not spec.state_dir:
-            # a run context loses a snapshot only with the node (restarted; what it trained since was not used)
-            log(WARNING, "fednorm: this node does not hold the state client %r saved after round %s: restarted "
-                "without a state-dir, it starts the client from the global model", client, cell.state_round)
+            # named in a run context (state_in_context): a run context loses a snapshot only with the node
+            # (restarted; what the client trained since was not used)
+            log(WARNING, "fednorm: this node does not hold the state client %r saved in its run context after round "
+                "%s: restarted without a state-dir, it starts the client from the global model", client,
+                cell.state_round)
             return ClientMemory(), -1
         raise ClientStateMissing(_missing(cell, client, f"{where} holds no snapshot of that round (its snapshots of "
                                           f"the client: rounds {held})" if held else f"it has none in {where}"))

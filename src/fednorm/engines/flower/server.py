@@ -245,6 +245,10 @@ class Roster:
                     "\"client-index=K\" (`fednorm flower clients CONFIG` lists them)")
             time.sleep(min(1.0, max(self.options.poll_interval, 0.05)))
 
+    def entry(self, client: str) -> m.RosterEntry | None:
+        """What the node holding ``client`` (last) reported of it."""
+        return next((e for e in self.entries.values() if e.name == client), None)
+
     def node(self, client: str) -> int | None:
         """The live node holding ``client``, or None (none holds it, it missed a reply, or Flower reports it
         offline)."""
@@ -263,8 +267,8 @@ class Roster:
 
     def revive(self) -> None:
         """A lost node whose late reply has arrived is alive (only slow): it takes part again. Its late
-        replies are dropped (their round is over), and on a node with a state-dir the training the client did
-        for them too (FlowerEngine._count_client_state)."""
+        replies are dropped (their round is over), and the training the client did for them too (except on a
+        node of an earlier fednorm without a state-dir: FlowerEngine._count_client_state)."""
         for node, ids in list(self.lost.items()):
             if not ids or node not in self.online:
                 continue
@@ -296,13 +300,14 @@ class FlowerEngine:
         # under a method whose clients keep state (their BN layers, optimizer, control variates), a node that
         # answers a train message has saved that state (node.py, train), in its state-dir or its run context. Every
         # later message names the round it was saved after (client -> rounds completed, CellRequest.state_round),
-        # and a node with a state-dir but without that snapshot (another runtime or state-dir on resume, a restart
-        # without it) stops the run instead of starting the client afresh. A node without a state-dir promises no
-        # more than its run context: restarted, its clients start from the global model (docs/flower.md); but a
-        # resume cannot bring their state back (load_state_dict). Both are checkpointed.
+        # and a node without a snapshot saved on disk (another runtime or state-dir on resume, a restart without
+        # it) stops the run instead of starting the client afresh. A node without a state-dir promises no more than
+        # its run context: restarted, its clients start from the global model (docs/flower.md); but a resume
+        # cannot bring their state back (load_state_dict). All three are checkpointed.
         self.keeps_client_state = bool(core.local_keys or core.federation.persistent_optimizer
                                        or core.algorithm.stateful)
         self.clients_with_state: dict[str, int] = {}
+        self.clients_with_state_in_context: set[str] = set()  # of those, the ones whose snapshot is in a run context
         self.clients_with_volatile_state: set[str] = set()
         # resumed from a checkpoint of this round written before fednorm recorded clients_with_state (-1: none):
         # for a client not in it, the server cannot name its snapshot; the node takes its newest at or before this
@@ -315,17 +320,25 @@ class FlowerEngine:
 
     # -------------------------------------------------------------- messages
     def _cell(self, client: str, record_as: str = "", splits: tuple[str, ...] = ()) -> m.CellRequest:
-        state_round = self._state_round(client)
+        """The message's cell; ``_send`` names the client's state snapshot in it once the roster is current."""
         return m.CellRequest(self.experiment, self.label, self.seed, client, record_as or client, splits,
-                             round=self.core.round, run_id=self.run_id, state_round=state_round,
-                             state_at_most=self.client_state_unrecorded_at
-                             if state_round == m.UNKNOWN_CLIENT_STATE else -1, state_in_context=True)
+                             round=self.core.round, run_id=self.run_id)
 
-    def _state_round(self, client: str) -> int:
-        """The snapshot of ``client``'s state its node must read (CellRequest.state_round)."""
-        if client in self.clients_with_state:
-            return self.clients_with_state[client]
-        return m.UNKNOWN_CLIENT_STATE if self.client_state_unrecorded_at >= 0 else m.NO_CLIENT_STATE
+    def _named_state(self, client: str) -> dict:
+        """Which snapshot of ``client``'s state its node must read (CellRequest.state_round and the fields beside
+        it), for the node that holds it now."""
+        if client not in self.clients_with_state:
+            unknown = self.client_state_unrecorded_at >= 0
+            return {"state_round": m.UNKNOWN_CLIENT_STATE if unknown else m.NO_CLIENT_STATE,
+                    "state_at_most": self.client_state_unrecorded_at if unknown else -1, "state_in_context": True}
+        if client not in self.clients_with_state_in_context:  # on disk: a node without that state-dir stops the run
+            return {"state_round": self.clients_with_state[client], "state_in_context": False}
+        entry = self.roster.entry(client)
+        if entry is None or entry.persistent or not entry.context_snapshots:
+            # it was in the run context of a node that is gone (its node restarted with a state-dir, or as an
+            # earlier fednorm): the client starts from the global model, as on any restarted node without one
+            return {"state_round": m.NO_CLIENT_STATE, "state_in_context": True}
+        return {"state_round": self.clients_with_state[client], "state_in_context": True}
 
     def _global(self) -> ArrayRecord:
         return m.to_arrays({k: self.core.global_state[k] for k in self.core.shared_keys})
@@ -337,6 +350,8 @@ class FlowerEngine:
         self.roster.discover()  # a restarted node may hold lost clients again
         items, dropped, client_of = [], {}, {}
         for key, client, content in plan:
+            if m.CELL in content.config_records:  # the snapshot for the node holding the client now
+                content[m.CELL] = replace(m.CellRequest.decode(content), **self._named_state(client)).record()
             node = self.roster.node(client)
             client_of[key] = client
             if node is None:
@@ -447,10 +462,17 @@ class FlowerEngine:
             return
         entries = self.roster.entries.values()
         persistent = {e.name for e in entries if e.persistent}
-        # a node of an earlier fednorm without a state-dir keeps the client's newest state in its run context,
-        # whether its reply was used or not: the server names no snapshot for it
-        named = persistent | {e.name for e in entries if e.context_snapshots}
-        self.clients_with_state.update({name: r + 1 for name in used if name in named})
+        in_context = {e.name for e in entries if not e.persistent and e.context_snapshots}
+        for name in used:
+            if name in persistent or name in in_context:
+                self.clients_with_state[name] = r + 1
+                (self.clients_with_state_in_context.add if name in in_context
+                 else self.clients_with_state_in_context.discard)(name)
+            else:
+                # a node of an earlier fednorm without a state-dir keeps the client's newest state in its run
+                # context, whether its reply was used or not: the server names no snapshot for it
+                self.clients_with_state.pop(name, None)
+                self.clients_with_state_in_context.discard(name)
         # a client whose state is on disk since has its state on disk from then on; the others' is in a run context
         # (lost when their node restarts, and with the run)
         self.clients_with_volatile_state = ((self.clients_with_volatile_state - (set(used) & persistent))
@@ -616,6 +638,7 @@ class FlowerEngine:
         """The server's state (global model, server optimizer, client algorithm server state); the clients'
         local state is on their nodes and not in it."""
         return {**self.core.state_dict(), "engine": "flower", "clients_with_state": dict(self.clients_with_state),
+                "clients_with_state_in_context": sorted(self.clients_with_state_in_context),
                 "clients_with_volatile_state": sorted(self.clients_with_volatile_state),
                 "client_state_unrecorded_at": self.client_state_unrecorded_at}
 
@@ -646,6 +669,8 @@ class FlowerEngine:
         recorded = state.get("clients_with_state")
         self.clients_with_state = {str(k): int(v) for k, v in (recorded or {}).items()}
         self.clients_with_volatile_state = set(state.get("clients_with_volatile_state", []))
+        # before fednorm kept snapshots in run contexts, only snapshots on disk were recorded
+        self.clients_with_state_in_context = set(state.get("clients_with_state_in_context", []))
         self.client_state_unrecorded_at = int(state.get("client_state_unrecorded_at",
                                                         -1 if recorded is not None else state["round"]))
 
