@@ -454,9 +454,8 @@ class FlowerEngine:
         """Of the clients that ``trained`` in round ``r`` (they answered), those whose replies were ``used`` (went
         into the global model) go on from the state they saved in it; the others (left out, late, or the round's
         update failed) go on from their state before it, the snapshot the server names (on a node of an earlier
-        fednorm without a state-dir: from their newest),
-        as if they had not trained (which keeps SCAFFOLD's server control variate the mean of the clients'; the
-        in-process engine uses every reply). Called after the divergence check: a diverged round is not counted,
+        fednorm without a state-dir: from their newest), as if they had not trained (which keeps SCAFFOLD's server
+        control variate the mean of the clients'; the in-process engine uses every reply). Called after the divergence check: a diverged round is not counted,
         and `record` evaluates the cell as of round r."""
         if not self.keeps_client_state:
             return
