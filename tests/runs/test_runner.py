@@ -493,6 +493,51 @@ def test_partitions_are_saved_with_the_run_and_checked_on_resume(tmp_path, extra
         resume_run(tmp_path / "run")
 
 
+def test_a_segmentation_client_is_recorded_with_its_pixels_per_class(tmp_path):
+    from fednorm.runs.runner import PARTITIONS_FILE, check_partitions, partition_record
+
+    from ..engines.test_segmentation_engine import SIDE, clients
+
+    sites = clients(2)
+    [entry, _] = partition_record(sites)
+    mask = sites[0].train.y
+    assert "labels" not in entry["train"]
+    assert entry["train"]["pixels"] == [int((mask == 0).sum()), int((mask == 1).sum())]
+    assert sum(entry["train"]["pixels"]) == entry["train"]["n"] * SIDE * SIDE
+    assert entry["val"]["pixels"][1] == int(sites[0].val.y.sum())
+    # a run started by an earlier fednorm recorded each mask's first pixel as its label: same data, so a resume goes
+    # on and the file gets the pixel counts; other data are still refused
+    earlier = partition_record(sites)
+    for site in earlier:
+        for split in ("train", "val", "test"):
+            counts = site[split].pop("pixels")
+            site[split]["labels"] = [8 if split == "train" else 4 if split == "test" else 2] if counts else []
+    (tmp_path / PARTITIONS_FILE).write_text(json.dumps(earlier))
+    check_partitions(tmp_path, sites)
+    assert json.loads((tmp_path / PARTITIONS_FILE).read_text()) == partition_record(sites)
+    earlier[1]["test"]["sha256"] = "0" * 64
+    (tmp_path / PARTITIONS_FILE).write_text(json.dumps(earlier))
+    with pytest.raises(RunError, match="'site1' no longer holds the same test data"):
+        check_partitions(tmp_path, sites)
+
+
+def test_a_resume_checks_the_data_not_the_class_counts_the_record_derives_from_them(tmp_path):
+    """A record without counts (a node started with share-labels=false) describes the same data: a resume goes on."""
+    from fednorm.runs.runner import PARTITIONS_FILE, check_partitions, partition_record, without_class_counts
+
+    from ..engines.test_segmentation_engine import clients
+
+    sites = clients(2)
+    (tmp_path / PARTITIONS_FILE).write_text(json.dumps([without_class_counts(e) for e in partition_record(sites)]))
+    check_partitions(tmp_path, sites)
+    assert json.loads((tmp_path / PARTITIONS_FILE).read_text()) == partition_record(sites)
+    changed = partition_record(sites)
+    changed[0]["train"]["n"] += 1
+    (tmp_path / PARTITIONS_FILE).write_text(json.dumps(changed))
+    with pytest.raises(RunError, match="'site0' no longer holds the same train data"):
+        check_partitions(tmp_path, sites)
+
+
 def test_a_diverged_cell_stops_the_run_or_is_recorded_and_the_grid_goes_on(tmp_path):
     from fednorm.methods.aggregation import DivergenceError
     from fednorm.runs.report import DIVERGED

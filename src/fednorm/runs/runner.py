@@ -798,10 +798,16 @@ def _digest(*tensors: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+# the counts a partition record derives from each split's targets: samples per class (classification) or pixels per
+# class (segmentation masks); the split's sha256 already covers them
+COUNT_KEYS = ("labels", "pixels")
+
+
 def partition_record(clients: list[ClientData]) -> list[dict]:
-    """What every client holds: sizes, labels per class and a sha256 of each split (images and labels). A client
-    whose data are elsewhere (a Flower server's roster client) carries its record in ``meta["partition_record"]``,
-    computed where the data are."""
+    """What every client holds: sizes, counts per class and a sha256 of each split (images and targets). The counts
+    are samples per class ("labels") for classification, pixels per class ("pixels") for segmentation masks. A
+    client whose data are elsewhere (a Flower server's roster client) carries its record in
+    ``meta["partition_record"]``, computed where the data are."""
     out = []
     for c in clients:
         if "partition_record" in c.meta:
@@ -812,9 +818,9 @@ def partition_record(clients: list[ClientData]) -> list[dict]:
             data = getattr(c, split)
             if data is None:
                 continue
-            y = data.y.reshape(len(data), -1)[:, 0] if data.y.dim() > 1 else data.y
+            counts = "pixels" if data.y.dim() > 1 else "labels"
             entry[split] = {"n": len(data), "sha256": _digest(data.x, data.y),
-                            "labels": torch.bincount(y.long().clamp(min=0)).tolist() if len(data) else []}
+                            counts: torch.bincount(data.y.reshape(-1).long().clamp(min=0)).tolist() if len(data) else []}
         out.append(entry)
     return out
 
@@ -840,16 +846,27 @@ def check_partitions(run_dir: Path, clients: list[ClientData]) -> None:
         if updated != saved and updated == record:
             store.write_json(path, record)
             return
+    if list(map(without_class_counts, saved)) == list(map(without_class_counts, record)):
+        # the same data (sizes and sha256) with counts of an earlier fednorm (it recorded a segmentation mask's first
+        # pixel as its label) or of a node that keeps its labels to itself: the digests decide, the file is renewed
+        store.write_json(path, record)
+        return
     names_saved, names_now = [c["name"] for c in saved], [c["name"] for c in record]
     if names_saved != names_now:
         raise RunError(f"{run_dir}: the federation's clients changed since the run started ({names_saved} then, "
                        f"{names_now} now); resume with the data and config the run started with")
-    for a, b in zip(saved, record):
+    for a, b in zip(map(without_class_counts, saved), map(without_class_counts, record)):
         if a != b:
             split = next((s for s in ("train", "val", "test") if a.get(s) != b.get(s)), "?")
             raise RunError(f"{run_dir}: client {a['name']!r} no longer holds the same {split} data as when the run "
                            f"started (its sha256 or size differs): the data folder or fednorm's data protocol "
                            f"changed. Resume with the original data (see {PARTITIONS_FILE}) or start a new run")
+
+
+def without_class_counts(entry: dict) -> dict:
+    """A partitions.json entry without the per-class counts derived from its splits' targets."""
+    return {key: {k: v for k, v in value.items() if k not in COUNT_KEYS} if key in ("train", "val", "test") else value
+            for key, value in entry.items()}
 
 
 def with_device(config: ExperimentConfig, device: str | None) -> ExperimentConfig:

@@ -267,7 +267,7 @@ class RosterEntry:
     y_shape: str
     y_dtype: str
     persistent: bool  # the node keeps the client's state on disk (node config state-dir): resumable
-    # the client's entry of the run's partitions.json as JSON (split sizes, labels per class, a sha256 of each split:
+    # the client's entry of the run's partitions.json as JSON (split sizes, counts per class, a sha256 of each split:
     # what a resume checks the data against), computed on the node; "" from a node of an earlier fednorm
     partition: str = ""
     # without a state-dir, the node keeps the client's state per round in its run context and reads the snapshot

@@ -36,7 +36,7 @@ from flwr.common.logger import log
 from ...data.domain import ClientData
 from ...data.federation import domain_eval_clients, parse_domain
 from ...runs.config import ByzantineConfig, ExperimentConfig, MethodConfig, validate
-from ...runs.runner import clients_per_domain, partition_record, with_validation
+from ...runs.runner import clients_per_domain, partition_record, with_validation, without_class_counts
 from ..client_step import ClientMemory
 from ..device import to_device
 from . import messages as m
@@ -162,7 +162,7 @@ class NodeSpec:
     partition: tuple[int, int] | None = None  # (partition-id, num-partitions)
     data_dir: str | None = None
     state_dir: str | None = None  # the clients' memories on disk (resumable runs), else Context.state only
-    share_labels: bool = True  # the roster's partition records include labels per class (else sizes and sha256)
+    share_labels: bool = True  # the roster's partition records include counts per class (else sizes and sha256)
 
     @classmethod
     def from_node_config(cls, node_config, data_dir: str | None = None, state_dir: str | None = None) -> "NodeSpec":
@@ -344,7 +344,7 @@ class NodeClients:
 
     def roster(self, message: Message, context: Context) -> Message:
         """Answer the server's roster query: the node's clients, split sizes, sample shapes and partition records
-        (sizes, labels per class, sha256 of each split: what partitions.json keeps; never data)."""
+        (sizes, counts per class, sha256 of each split: what partitions.json keeps; never data)."""
         cell = m.CellRequest.decode(message.content)
         config = load_experiment(cell.experiment)
         spec = self._spec(context)
@@ -413,14 +413,11 @@ class NodeClients:
 
 
 def _partition_record(client: ClientData, share_labels: bool) -> dict:
-    """The client's entry of partitions.json, without its labels per class when the node keeps them to itself
-    (node config share-labels=false: the server then learns sizes and sha256 only; a resume still checks them)."""
+    """The client's entry of partitions.json, without its counts per class (samples, or a mask's pixels) when the
+    node keeps them to itself (node config share-labels=false: the server then learns sizes and sha256 only; a
+    resume still checks them)."""
     record = partition_record([client])[0]
-    if not share_labels:
-        for split in ("train", "val", "test"):
-            if split in record:
-                record[split] = {k: v for k, v in record[split].items() if k != "labels"}
-    return record
+    return record if share_labels else without_class_counts(record)
 
 
 def _missing(cell: m.CellRequest, client: str, found: str) -> str:
