@@ -32,12 +32,14 @@ def test_instructions_round_trip():
 @pytest.mark.parametrize("state_round", [5, m.NO_CLIENT_STATE, m.UNKNOWN_CLIENT_STATE])
 def test_cell_request_round_trips_and_an_older_servers_request_names_no_snapshot(state_round, in_context):
     cell = m.CellRequest("name: x", "FedBN", 2, "mnist", "mnist", ("test", "val"), ("fedbn_average",), round=7,
-                         run_id="abc", state_round=state_round, state_at_most=3, state_in_context=in_context)
+                         run_id="abc", state_round=state_round, state_at_most=3, state_in_context=in_context,
+                         finished_cells=(("FedAvg", 0), ("FedAvg", 1)))
     assert m.CellRequest.decode(RecordDict({m.CELL: cell.record()})) == cell
     # a node of the fednorm before reads "state_round": its newest snapshot, at least of that round (< 0: no check)
     assert cell.record()["state_round"] == state_round
     older = cell.record()  # a server of the fednorm before: "state_round" only,
     del older["state_snapshot"], older["state_at_most"], older["state_in_context"]
+    del older["finished_methods"], older["finished_seeds"]
     back = m.CellRequest.decode(RecordDict({m.CELL: older}))  # whose -1 meant "nothing recorded", not "none"
     assert back.state_round == m.UNKNOWN_CLIENT_STATE and back.state_at_most == -1  # the node's newest,
     assert not back.state_in_context  # (on a node without a state-dir too)

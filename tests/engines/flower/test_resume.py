@@ -319,6 +319,41 @@ def test_the_server_names_run_context_snapshots_only_to_nodes_that_keep_them(tmp
     assert named == ([m.NO_CLIENT_STATE] * 6 if earlier_node else [m.NO_CLIENT_STATE] * 2 + [1, 1, 2, 2])
 
 
+@pytest.mark.parametrize("state_dir", [False, True])
+def test_a_node_drops_the_run_context_state_of_finished_cells(tmp_path, state_dir):
+    # a run context lives as long as the Flower run: without the drop, every cell's snapshots would stay in each
+    # node's memory until the last cell ends. A state-dir's files stay (the user's, docs/flower.md 3.9)
+    from flwr.app import MessageType
+
+    config = tiny_config("methods=[fedbn, scaffold]", "seeds=[0, 1]", "federation.rounds=2")
+    folder = str(tmp_path / "node_state") if state_dir else None
+    grid = FakeGrid(make_client_app(state_dir=folder), [{"client-index": 0}, {"client-index": 1}])
+    seen: list[set[str]] = []  # each node's run-context cells after each train message
+    app = grid.client_app
+
+    def recording(message, context):
+        reply = app(message, context)
+        if message.metadata.message_type == MessageType.TRAIN:
+            seen.append({"/".join(k.split("/")[2:4]) for k in context.state.keys() if k.startswith("fednorm/")})
+        return reply
+    grid.client_app = recording
+    run_flower(config, tmp_path / "flower", folder, grid=grid)
+    cells = ["fedbn/seed0", "fedbn/seed1", "scaffold/seed0", "scaffold/seed1"]
+    finished = [m.CellRequest.decode(msg.content).finished_cells for msg in grid.sent
+                if msg.metadata.message_type == MessageType.TRAIN]
+    assert finished[0] == () and finished[-1] == (("fedbn", 0), ("fedbn", 1), ("scaffold", 0))
+    kept = [{"/".join(k.split("/")[2:4]) for k in c.state.keys() if k.startswith("fednorm/")}
+            for c in grid.contexts.values()]
+    if state_dir:  # nothing in the run contexts; every cell's files on disk
+        assert all(not s for s in seen + kept)
+        on_disk = {"/".join(p.relative_to(tmp_path / "node_state").parts[2:4])
+                   for p in (tmp_path / "node_state").rglob("round*.pt")}
+        assert on_disk == set(cells)
+    else:  # while a cell trains, its nodes hold its snapshots and those of no cell before it
+        assert seen == [{cell} for cell in cells for _ in range(4)]  # 2 rounds x 2 nodes
+        assert kept == [{"scaffold/seed1"}] * 2
+
+
 def run_moving_neon(tmp_path, first_config: dict, then_config: dict, tamper=None):
     """A FedBN run of 3 rounds over two nodes whose node of rendered/neon (101) dies after round 1 and, after
     round 2, comes back as node 103 with ``then_config`` (a restart with another node config); (the grid, the

@@ -101,6 +101,11 @@ class CellRequest:
     # server is of an earlier fednorm, whose state_round for a node without a state-dir was -1 whatever the node
     # held (the node then reads its newest)
     state_in_context: bool = False
+    # the run's cells (method label, seed) whose training and evaluation are over: a node drops the snapshots it
+    # keeps of them in its run context (a run context lives as long as the Flower run, over all its cells).
+    # Snapshots on disk stay (a state-dir's files are the user's, docs/flower.md 3.9); nodes of an earlier
+    # fednorm ignore the field
+    finished_cells: tuple[tuple[str, int], ...] = ()
 
     def record(self) -> ConfigRecord:
         # "state_snapshot" carries state_round. Servers of the fednorm before sent "state_round" with another rule
@@ -111,7 +116,9 @@ class CellRequest:
                              "splits": list(self.splits), "external_modes": list(self.external_modes),
                              "round": int(self.round), "run_id": self.run_id,
                              "state_snapshot": int(self.state_round), "state_at_most": int(self.state_at_most),
-                             "state_round": int(self.state_round), "state_in_context": bool(self.state_in_context)})
+                             "state_round": int(self.state_round), "state_in_context": bool(self.state_in_context),
+                             "finished_methods": [method for method, _ in self.finished_cells],
+                             "finished_seeds": [int(seed) for _, seed in self.finished_cells]})
 
     @classmethod
     def decode(cls, content: RecordDict) -> "CellRequest":
@@ -124,7 +131,9 @@ class CellRequest:
                    str(record.get("run_id", "")), int(record.get("state_snapshot", UNKNOWN_CLIENT_STATE)),
                    int(record.get("state_at_most", -1)),
                    -1 if "state_snapshot" in record else max(int(record.get("state_round", -1)), -1),
-                   bool(record.get("state_in_context", False)))
+                   bool(record.get("state_in_context", False)),
+                   tuple(zip(map(str, record.get("finished_methods", [])), map(int, record.get("finished_seeds", [])),
+                             strict=True)))
 
 
 # ------------------------------------------------------------------------------------------ instructions
@@ -311,5 +320,10 @@ def memory_prefix(cell: CellRequest, client: str) -> str:
     """Where a node keeps ``client``'s memory for the cell: per run (two runs of one config on the same
     ``state-dir`` never read each other's client state), method, seed and client. Runs started before run ids
     existed keep their old place."""
-    run = f"{cell.run_id}/" if cell.run_id else ""
-    return f"fednorm/{run}{cell.method}/seed{cell.seed}/{client}"
+    return f"{cell_prefix(cell.run_id, cell.method, cell.seed)}/{client}"
+
+
+def cell_prefix(run_id: str, method: str, seed: int) -> str:
+    """Where a node keeps the memories of a cell's clients (:func:`memory_prefix`)."""
+    run = f"{run_id}/" if run_id else ""
+    return f"fednorm/{run}{method}/seed{seed}"

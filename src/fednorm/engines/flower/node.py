@@ -278,6 +278,10 @@ class NodeClients:
         if cell.client not in mine:
             raise NodeConfigError(f"this node holds {sorted(mine)}, not {cell.client!r}")
         client = mine[cell.client]
+        if not spec.state_dir:
+            contexts = ContextStateStore(context.state)
+            for method, seed in cell.finished_cells:
+                contexts.forget(m.cell_prefix(cell.run_id, method, seed))
         engine, initial = node_engine(cell.experiment, cell.method, cell.seed, client)
         return engine, initial, client, spec
 

@@ -148,3 +148,8 @@ class ContextStateStore(SnapshotStore):
     def _delete(self, prefix: str, completed_round: int) -> None:
         for part in ("local", "algorithm", "optimizer"):
             self.state.pop(f"{prefix}/round{completed_round}/{part}", None)
+
+    def forget(self, prefix: str) -> None:
+        """Drop every snapshot under ``prefix`` (a finished cell's: :func:`~.messages.cell_prefix`)."""
+        for key in [k for k in self.state.keys() if k.startswith(prefix + "/")]:
+            del self.state[key]

@@ -287,13 +287,15 @@ class FlowerEngine:
 
     def __init__(self, grid, roster: Roster, config: ExperimentConfig, method_cfg: MethodConfig, seed: int,
                  clients: list[ClientData], options: FlowerOptions = FlowerOptions(),
-                 cell_dir: Path | None = None, run_id: str = "") -> None:
+                 cell_dir: Path | None = None, run_id: str = "",
+                 finished_cells: tuple[tuple[str, int], ...] = ()) -> None:
         check_flower_method(method_cfg)
         self.grid, self.roster, self.options = grid, roster, options
         self.core = build_engine(config, method_cfg, seed, clients, device="cpu")  # aggregation only: the host
         self.label, self.seed = method_cfg.display, seed
         self.experiment = experiment_text(config)
         self.run_id = run_id
+        self.finished_cells = finished_cells  # the run's cells before this one: nodes drop their run-context state
         self.participation_path = None if cell_dir is None else Path(cell_dir) / PARTICIPATION_FILE
         self._participation_checked = False  # rounds after the cell's checkpoint are dropped at the first write
         core = self.core
@@ -322,7 +324,7 @@ class FlowerEngine:
     def _cell(self, client: str, record_as: str = "", splits: tuple[str, ...] = ()) -> m.CellRequest:
         """The message's cell; ``_send`` names the client's state snapshot in it once the roster is current."""
         return m.CellRequest(self.experiment, self.label, self.seed, client, record_as or client, splits,
-                             round=self.core.round, run_id=self.run_id)
+                             round=self.core.round, run_id=self.run_id, finished_cells=self.finished_cells)
 
     def _named_state(self, client: str) -> dict:
         """Which snapshot of ``client``'s state its node must read (CellRequest.state_round and the fields beside
@@ -724,12 +726,17 @@ def run_experiment(grid, settings: ServerSettings, progress=None) -> list[CellRe
     roster = Roster(grid, config, settings.options)
     clients = roster.wait_for_all()
 
+    built: list[tuple[str, int]] = []  # cells run before, one at a time (runner.execute): they are finished
+
     def build(cfg: ExperimentConfig, method_cfg: MethodConfig, seed: int, cell_clients: list[ClientData]):
         # run.json exists by now (written when the run folder is made) and keeps its id across resumes
         info = run_dir / RUN_INFO_FILE
         run_id = json.loads(info.read_text()).get("run_id", "") if info.exists() else ""
-        return FlowerEngine(grid, roster, cfg, method_cfg, seed, cell_clients, settings.options,
-                            store.cell_dir(run_dir, method_cfg.display, seed), run_id=run_id)
+        engine = FlowerEngine(grid, roster, cfg, method_cfg, seed, cell_clients, settings.options,
+                              store.cell_dir(run_dir, method_cfg.display, seed), run_id=run_id,
+                              finished_cells=tuple(built))
+        built.append((method_cfg.display, seed))
+        return engine
 
     if settings.resume:
         log(INFO, "fednorm: resuming %s from its checkpoints", run_dir)
