@@ -161,6 +161,7 @@ class Roster:
         self.experiment = experiment_text(config)
         self.expected: int | None = None  # the federation's size, as the first node to answer counts it
         self.entries: dict[int, m.RosterEntry] = {}
+        self.entry_of: dict[str, m.RosterEntry] = {}  # the same entries by client name
         self.node_of: dict[str, int] = {}
         self.known: set[int] = set()
         self.online: set[int] = set()  # nodes Flower reports online (their heartbeats arrive)
@@ -227,7 +228,7 @@ class Roster:
                 if old is not None and old != node:
                     log(WARNING, "fednorm: client %r is now held by node %s (its node %s was lost; local state "
                         "kept only in the lost node's run context starts afresh)", e.name, node, old)
-                self.entries[e.index], self.node_of[e.name] = e, node
+                self.entries[e.index], self.entry_of[e.name], self.node_of[e.name] = e, e, node
             log(INFO, "fednorm: node %s holds %s", node, [e.name for e in entries])
 
     def wait_for_all(self) -> list[ClientData]:
@@ -247,7 +248,7 @@ class Roster:
 
     def entry(self, client: str) -> m.RosterEntry | None:
         """What the node holding ``client`` (last) reported of it."""
-        return next((e for e in self.entries.values() if e.name == client), None)
+        return self.entry_of.get(client)
 
     def node(self, client: str) -> int | None:
         """The live node holding ``client``, or None (none holds it, it missed a reply, or Flower reports it
