@@ -268,7 +268,7 @@ def test_a_scaffold_client_whose_reply_was_left_out_goes_on_from_its_state_befor
         torch.testing.assert_close(c, mean_c_i, rtol=0, atol=1e-6)
 
 
-def test_a_node_without_a_state_dir_reads_the_snapshot_the_server_names_from_its_run_context():
+def test_a_node_without_a_state_dir_reads_the_snapshot_the_server_names_from_its_run_context(caplog):
     from flwr.app import Context
 
     from fednorm.engines.flower.node import ClientStateMissing, NodeClients, NodeSpec
@@ -299,6 +299,12 @@ def test_a_node_without_a_state_dir_reads_the_snapshot_the_server_names_from_its
             ContextStateStore(restarted.state).save(prefix, r, memory(r), started_from=-1)
         got, read = NodeClients._load_memory(restarted, spec, cell(2), "c", at_round=3)
         assert read == -1 and got == ClientMemory()
+    # the server names the lost snapshot until a reply of the client is used: the node warns once for it
+    lost = [r for r in caplog.records if "does not hold the state client 'c'" in r.getMessage()]
+    assert len(lost) == 1 and "after round 2" in lost[0].getMessage()
+    assert ContextStateStore(restarted.state).rounds(prefix) == [3]  # the warning's mark is no snapshot
+    NodeClients._load_memory(restarted, spec, cell(4), "c", at_round=5)  # lost again (another restart)
+    assert sum("does not hold the state client 'c'" in r.getMessage() for r in caplog.records) == 2
 
 
 @pytest.mark.parametrize("earlier_node", [False, True])

@@ -30,7 +30,7 @@ from logging import WARNING
 
 import torch
 import yaml
-from flwr.app import Context, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.common.logger import log
 
 from ...data.domain import ClientData
@@ -321,10 +321,14 @@ class NodeClients:
             return store.read(prefix, cell.state_round), cell.state_round
         if not spec.state_dir:
             # named in a run context (state_in_context): a run context loses a snapshot only with the node
-            # (restarted; what the client trained since was not used)
-            log(WARNING, "fednorm: this node does not hold the state client %r saved in its run context after round "
-                "%s: restarted without a state-dir, it starts the client from the global model", client,
-                cell.state_round)
+            # (restarted; what the client trained since was not used). The server names the lost snapshot until a
+            # reply of the client is used: warn once for it
+            warned = f"{prefix}/lost"
+            if warned not in context.state or context.state.config_records[warned]["round"] != cell.state_round:
+                log(WARNING, "fednorm: this node does not hold the state client %r saved in its run context after "
+                    "round %s: restarted without a state-dir, it starts the client from the global model", client,
+                    cell.state_round)
+                context.state[warned] = ConfigRecord({"round": int(cell.state_round)})
             return ClientMemory(), -1
         raise ClientStateMissing(_missing(cell, client, f"{where} holds no snapshot of that round (its snapshots of "
                                           f"the client: rounds {held})" if held else f"it has none in {where}"))
