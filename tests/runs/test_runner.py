@@ -521,6 +521,31 @@ def test_a_segmentation_client_is_recorded_with_its_pixels_per_class(tmp_path):
         check_partitions(tmp_path, sites)
 
 
+def test_a_segmentation_run_whose_partitions_json_describes_flower_placeholders_of_an_earlier_fednorm_resumes(tmp_path):
+    # a Flower run started before its nodes reported records wrote the server's placeholder clients (zeros), and an
+    # earlier fednorm recorded a mask's first pixel as its label: the nodes' records (pixels) replace them
+    from dataclasses import replace
+
+    from fednorm.data.medical import SegmentationSplit
+    from fednorm.runs.runner import PARTITIONS_FILE, check_partitions, partition_record
+
+    from ..engines.test_segmentation_engine import clients
+
+    sites = clients(2)
+    zeros = [replace(c, **{split: SegmentationSplit(torch.zeros_like(getattr(c, split).x),
+                                                    torch.zeros_like(getattr(c, split).y))
+                           for split in ("train", "val", "test")}) for c in sites]
+    earlier = partition_record(zeros)
+    for site in earlier:
+        for split in ("train", "val", "test"):
+            site[split]["labels"] = [site[split]["n"]]
+            del site[split]["pixels"]
+    (tmp_path / PARTITIONS_FILE).write_text(json.dumps(earlier))
+    on_server = [replace(z, meta={**z.meta, "partition_record": r}) for z, r in zip(zeros, partition_record(sites))]
+    check_partitions(tmp_path, on_server)
+    assert json.loads((tmp_path / PARTITIONS_FILE).read_text()) == partition_record(sites)
+
+
 def test_a_resume_checks_the_data_not_the_class_counts_the_record_derives_from_them(tmp_path):
     """A record without counts (a node started with share-labels=false) describes the same data: a resume goes on."""
     from fednorm.runs.runner import PARTITIONS_FILE, check_partitions, partition_record, without_class_counts

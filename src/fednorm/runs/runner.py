@@ -841,9 +841,11 @@ def check_partitions(run_dir: Path, clients: list[ClientData]) -> None:
         # clients (zeros), not data; the nodes' records replace those entries (a node of that fednorm reports none)
         placeholders = partition_record([replace(c, meta={k: v for k, v in c.meta.items() if k != "partition_record"})
                                          for c in clients])
-        updated = [new if old == placeholder and "partition_record" in c.meta else old
-                   for old, new, placeholder, c in zip(saved, record, placeholders, clients)]
-        if updated != saved and updated == record:
+        # (compared without the counts: a placeholder of a segmentation client was recorded with its first pixel's
+        # class as label before fednorm recorded masks' pixels per class)
+        updated = [new if without_class_counts(old) == without_class_counts(placeholder) and "partition_record" in c.meta
+                   else old for old, new, placeholder, c in zip(saved, record, placeholders, clients)]
+        if updated != saved and list(map(without_class_counts, updated)) == list(map(without_class_counts, record)):
             store.write_json(path, record)
             return
     if list(map(without_class_counts, saved)) == list(map(without_class_counts, record)):

@@ -223,8 +223,9 @@ def test_a_supernode_restarted_under_a_new_id_takes_its_clients_back(tmp_path):
 
 
 def test_a_supernode_restarted_with_other_data_for_its_client_stops_the_run(tmp_path):
-    # its roster reports the client's partition record (sizes, labels, sha256 of each split), computed on the node:
-    # another data folder or protocol gives another record, and the client would go on training on other data
+    # its roster reports the client's partition record (sizes, counts per class, sha256 of each split), computed on
+    # the node: another data folder or protocol gives another record, and the client would go on training on other
+    # data
     import json as _json
 
     def other_data(node, message, reply):
@@ -242,6 +243,17 @@ def test_a_supernode_restarted_with_other_data_for_its_client_stops_the_run(tmp_
     with pytest.raises(RunError, match="node 103 holds client 'rendered/synth' with other data than its node had"):
         run_with_restart(tmp_path, config, {1: lambda g: (g.dead.add(102), g.offline.add(102)),
                                             2: restart_with_other_data})
+
+
+def test_a_supernode_restarted_keeping_its_label_counts_to_itself_takes_its_client_back(tmp_path):
+    # the same data (sizes and sha256), its record now without the counts per class (node config share-labels=false)
+    def restart_with_share_labels_off(grid):
+        grid.restart(102, new_id=103)
+        grid.contexts[103].node_config = {**grid.contexts[103].node_config, "share-labels": False}
+    config = tiny_config(THREE, "federation.rounds=3", "federation.eval_every=3")
+    rounds = run_with_restart(tmp_path, config, {1: lambda g: (g.dead.add(102), g.offline.add(102)),
+                                                 2: restart_with_share_labels_off})
+    assert [r["clients_used"] for r in rounds] == [3, 2, 3]
 
 
 def test_a_node_whose_partition_record_is_malformed_takes_no_part(tmp_path):

@@ -74,7 +74,8 @@ def test_a_node_that_keeps_its_label_counts_to_itself_reports_sizes_and_sha256_o
                        for k, v in record.items()} for record in partitions(tmp_path / "in_process")]
     assert partitions(tmp_path / "flower") == without_labels != partitions(tmp_path / "in_process")
     rosters = [r for r in grid.received if "roster" in r.content.config_records]
-    assert rosters and all('"labels"' not in p for r in rosters for p in r.content.config_records["roster"]["partition"])
+    assert rosters and all('"labels"' not in p and '"pixels"' not in p
+                           for r in rosters for p in r.content.config_records["roster"]["partition"])
 
 
 def test_cross_device_sampling_gives_the_in_process_numbers(tmp_path):

@@ -326,7 +326,7 @@ def test_the_server_names_run_context_snapshots_only_to_nodes_that_keep_them(tmp
 
 
 @pytest.mark.parametrize("state_dir", [False, True])
-def test_a_node_drops_the_run_context_state_of_finished_cells(tmp_path, state_dir):
+def test_a_node_drops_the_run_context_state_of_finished_cells(tmp_path, state_dir, caplog):
     # a run context lives as long as the Flower run: without the drop, every cell's snapshots would stay in each
     # node's memory until the last cell ends. A state-dir's files stay (the user's, docs/flower.md 3.9)
     from flwr.app import MessageType
@@ -358,6 +358,8 @@ def test_a_node_drops_the_run_context_state_of_finished_cells(tmp_path, state_di
     else:  # while a cell trains, its nodes hold its snapshots and those of no cell before it
         assert seen == [{cell} for cell in cells for _ in range(4)]  # 2 rounds x 2 nodes
         assert kept == [{"scaffold/seed1"}] * 2
+    # and the cell being trained kept its own: every round after the first read the snapshot the server named
+    assert not [r for r in caplog.records if "does not hold the state client" in r.getMessage()]
 
 
 def run_moving_neon(tmp_path, first_config: dict, then_config: dict, tamper=None):

@@ -42,7 +42,7 @@ from ...methods.tasks import balanced_accuracy
 from ...runs import store
 from ...runs.config import ExperimentConfig, MethodConfig
 from ...runs.runner import (PARTITIONS_FILE, RUN_INFO_FILE, CellResult, RunError, build_engine, check_config_unchanged,
-                            check_engine, execute, load_run_config, run_lock, start_run)
+                            check_engine, execute, load_run_config, run_lock, start_run, without_class_counts)
 from ..simulation import Evaluation
 from . import messages as m
 from .node import check_flower_method, experiment_text
@@ -214,10 +214,12 @@ class Roster:
                     continue
                 held = self.entries.get(e.index)
                 if (held is not None and held.partition and e.partition
-                        and json.loads(held.partition) != json.loads(e.partition)):
-                    # a restarted or new node for a known client: it must hold the data the client trained on
+                        and without_class_counts(json.loads(held.partition))
+                        != without_class_counts(json.loads(e.partition))):
+                    # a restarted or new node for a known client: it must hold the data the client trained on (the
+                    # sizes and sha256 decide; the counts per class derive from the data, and a node may keep them)
                     raise RunError(f"node {node} holds client {e.name!r} with other data than its node had (their "
-                                   f"sizes, labels or sha256 in {PARTITIONS_FILE} differ): give it the data folder "
+                                   f"sizes or sha256 in {PARTITIONS_FILE} differ): give it the data folder "
                                    "and node config the client's first node had")
                 old = self.node_of.get(e.name)
                 # a client "held by two nodes" only while its old node is live: a node Flower reports offline
@@ -228,6 +230,8 @@ class Roster:
                 if old is not None and old != node:
                     log(WARNING, "fednorm: client %r is now held by node %s (its node %s was lost; local state "
                         "kept only in the lost node's run context starts afresh)", e.name, node, old)
+                if held is not None:
+                    self.entry_of.pop(held.name, None)
                 self.entries[e.index], self.entry_of[e.name], self.node_of[e.name] = e, e, node
             log(INFO, "fednorm: node %s holds %s", node, [e.name for e in entries])
 
