@@ -106,11 +106,23 @@ def test_decay_matches_eq_3_on_random_batches():
     torch.testing.assert_close(norm.amplitude.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_training_forward_normalizes_with_the_updated_average():
+def test_the_running_amplitude_starts_from_zero_as_the_paper_says():
+    """HarmoFL Eq. 3: "this term is set to zero for the first batch" is the default; the official code's start
+    from the first batch's mean amplitude is the named option."""
+    assert AmplitudeNormalizer().init == "zero"
+    x = images(3, seed=5)
+    norm = AmplitudeNormalizer()
+    norm.update(x)
+    torch.testing.assert_close(norm.amplitude.double(), 0.1 * amplitude(x).mean(0), rtol=1e-5, atol=1e-6)
+    assert AmplitudeNormalizer.official_code().init == "first_batch"
+
+
+@pytest.mark.parametrize("init, first_weight", [("zero", 0.1), ("first_batch", 1.0)])
+def test_training_forward_normalizes_with_the_updated_average(init, first_weight):
     x1, x2 = images(3, seed=1), images(3, seed=2)
-    norm = AmplitudeNormalizer(decay=0.1).train()
+    norm = AmplitudeNormalizer(decay=0.1, init=init).train()
     out1 = norm(x1)
-    avg1 = amplitude(x1).mean(0)
+    avg1 = first_weight * amplitude(x1).mean(0)
     torch.testing.assert_close(out1, swap_amplitude(x1, avg1.float()), atol=1e-6, rtol=0)
     out2 = norm(x2)
     avg2 = 0.9 * avg1 + 0.1 * amplitude(x2).mean(0)  # Abar_k, not Abar_{k-1}
@@ -121,9 +133,15 @@ def test_training_forward_normalizes_with_the_updated_average():
     assert torch.equal(norm.amplitude, before) and int(norm.num_updates) == 2
 
 
-def test_single_image_batch_is_returned_unchanged_on_the_first_batch():
+def test_single_image_batch_is_returned_unchanged_on_the_first_batch_of_the_code():
     x = images(1, seed=4)
-    torch.testing.assert_close(AmplitudeNormalizer().train()(x), x, atol=1e-6, rtol=0)
+    torch.testing.assert_close(AmplitudeNormalizer(init="first_batch").train()(x), x, atol=1e-6, rtol=0)
+
+
+def test_the_papers_first_batch_of_one_image_is_that_image_scaled_by_v():
+    # Abar_1 = v * A(x) from Abar_0 = 0, with x's own phase: real(IFFT(v A e^{jP})) = v x (a 10x darker image)
+    x = images(1, seed=4)
+    torch.testing.assert_close(AmplitudeNormalizer(decay=0.1).train()(x), 0.1 * x, atol=1e-6, rtol=0)
 
 
 def test_global_amplitude_is_frozen_and_used_at_inference():
@@ -233,7 +251,7 @@ def test_amplitude_prepare_wraps_normalize_batch():
     x = torch.randint(0, 256, (1, 3, 8, 8), dtype=torch.uint8, generator=g)
     mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
     # a single image's own amplitude: identity, so the result is normalize_batch's
-    prep = AmplitudePrepare(AmplitudeNormalizer().train(), mean, std)
+    prep = AmplitudePrepare(AmplitudeNormalizer(init="first_batch").train(), mean, std)
     torch.testing.assert_close(prep(x), normalize_batch(x, mean, std), atol=1e-5, rtol=0)
     # the normalizer acts on [0, 1] images, before standardization
     frozen = AmplitudeNormalizer.from_amplitude(amplitude(torch.rand(3, 8, 8)))
@@ -269,8 +287,9 @@ def test_bad_shapes_and_arguments_are_refused():
 def test_half_precision_inputs_are_computed_in_float32():
     x = images(2, dtype=torch.float32).bfloat16()
     out = AmplitudeNormalizer().train()(x)
-    # computed in float32 (the first batch's amplitude is its own mean amplitude), cast back to the input's dtype
-    ref = swap_amplitude(x.float(), amplitude(x.float()).mean(0)).bfloat16()
+    # computed in float32 (the first batch's amplitude is v times its own mean amplitude), cast back to the input's
+    # dtype
+    ref = swap_amplitude(x.float(), 0.1 * amplitude(x.float()).mean(0)).bfloat16()
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
 
 

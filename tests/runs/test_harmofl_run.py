@@ -3,6 +3,7 @@ run folder, with the ablation's methods, an alpha-sweep label and the averaged a
 
 import json
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -19,7 +20,8 @@ TINY_HARMOFL = [
     "federation.eval_every=1",
     "training.batch_size=128",  # one batch per client and round: its round-1 amplitude is the batch's mean
     "seeds=[0]",
-    "methods=[fedavg, harmofl, {name: harmofl, label: harmofl-a0.5, weight_perturbation: 0.5}]",
+    "methods=[fedavg, harmofl, {name: harmofl, label: harmofl-a0.5, weight_perturbation: 0.5}, "
+    "{name: harmofl, label: harmofl-code-init, amplitude_init: first_batch}]",
 ]
 
 
@@ -31,19 +33,20 @@ def test_fednorm_run_of_a_tiny_harmofl_config(tmp_path):
     assert result.exit_code == 0, result.output
     assert "test accuracy (%)" in result.output and "harmofl-a0.5" in result.output
     table = json.loads((out / "results.json").read_text())
-    assert list(table["methods"]) == ["fedavg", "harmofl", "harmofl-a0.5"]
+    assert list(table["methods"]) == ["fedavg", "harmofl", "harmofl-a0.5", "harmofl-code-init"]
     assert table["score"] == "accuracy"
     ckpt = torch.load(out / "harmofl" / "seed0" / "checkpoint.pt", weights_only=False)
     assert ckpt["round"] == 2 and ckpt["input_state"]["amp.global"].shape == (3, 28, 28)
-    # the global amplitude (Alg. 1 l.17): the uniform mean of the clients' round-1 amplitudes, each the mean
-    # per-channel FFT amplitude of the client's training images in [0, 1] (one batch: Eq. 3's first value)
+    # the global amplitude (Alg. 1 l.17): the uniform mean of the clients' round-1 amplitudes, each Eq. 3's first
+    # value from the client's one batch, the mean per-channel FFT amplitude of its training images in [0, 1]: times
+    # v = 0.1 from the paper's Abar_0 = 0 (default), times 1 from the official code's first-batch start
     from fednorm.runs.runner import build_federation_data
 
     clients = build_federation_data(load_config("harmofl_digits", TINY_HARMOFL), None)
-    expected = torch.stack([torch.fft.fft2(c.train.x.double() / 255).abs().mean(0) for c in clients]).mean(0)
-    for label in ("harmofl", "harmofl-a0.5"):
+    batch_mean = torch.stack([torch.fft.fft2(c.train.x.double() / 255).abs().mean(0) for c in clients]).mean(0)
+    for label, weight in (("harmofl", 0.1), ("harmofl-a0.5", 0.1), ("harmofl-code-init", 1.0)):
         amp = torch.load(out / label / "seed0" / "checkpoint.pt", weights_only=False)["input_state"]["amp.global"]
-        torch.testing.assert_close(amp, expected.float(), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(amp, (weight * batch_mean).float(), rtol=1e-5, atol=1e-4)
     assert "amp.global" not in torch.load(out / "fedavg" / "seed0" / "checkpoint.pt", weights_only=False)["input_state"]
     summary = json.loads((out / "harmofl-a0.5" / "seed0" / "summary.json").read_text())
     assert summary["metric"] == "accuracy" and len(summary["clients"]) == 2
@@ -60,6 +63,17 @@ def test_harmofl_presets_build_the_ablation_switches():
         0.0005, 0.005, 0.05, 0.5, 1.0]
     code = load_config("harmofl_digits", ["methods=[{name: harmofl, amplitude_norm: code}]"]).methods[0].build()
     assert code.amplitude_norm == "code"
+    # where the running amplitude starts: the paper's zero unless the method names the code's first batch; the
+    # code variant's momentum 0 would keep a zero start at zero, and without AmpNorm there is nothing to start
+    assert methods["harmofl"].amplitude_init is None
+    cfg = load_config("harmofl_digits", ["methods=[{name: harmofl, amplitude_init: first_batch}]"])
+    assert cfg.methods[0].build().amplitude_init == "first_batch"
+    for bad, says in (("{name: harmofl, amplitude_norm: code, amplitude_init: zero}", "keep it at zero"),
+                      ("{name: harmofl, amplitude_norm: off, amplitude_init: zero}", "amplitude normalization is off"),
+                      ("{name: fedavg, amplitude_init: first_batch}", "amplitude normalization is off"),
+                      ("{name: harmofl, amplitude_init: ones}", "amplitude_init")):
+        with pytest.raises(ValueError, match=says):
+            load_config("harmofl_digits", [f"methods=[{bad}]"])
     for name, loss in (("harmofl_camelyon17", "ce"), ("harmofl_nuclei", "dice"), ("harmofl_prostate", "ce_dice")):
         cfg = load_config(name)
         assert cfg.task().loss_name == loss and cfg.federation.weighting == "uniform"

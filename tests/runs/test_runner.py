@@ -674,6 +674,22 @@ def test_a_setting_a_later_fednorm_added_and_an_extension_cut_off_by_a_kill_are_
         assert "config_fingerprint_before" not in json.loads((run / "run.json").read_text())
 
 
+def test_a_method_field_a_later_fednorm_added_keeps_the_fingerprint_of_runs_begun_before_it():
+    """run.json of runs begun before `amplitude_init` existed holds the methods' fingerprint without it: while the
+    field is unset it stays out of the fingerprint, so those runs resume; setting it is an edit like any other."""
+    from fednorm.runs.config import ExperimentConfig, MethodConfig
+    from fednorm.runs.runner import config_fingerprint
+
+    def methods_fingerprint(**harmofl):
+        return config_fingerprint(ExperimentConfig(methods=[
+            MethodConfig(name="harmofl", **harmofl),
+            MethodConfig(name="fedavg_ampnorm", amplitude_norm="code", label="x")]))["methods"]
+
+    assert methods_fingerprint() == "a82dbd72a2f623a4"  # what fednorm wrote before the field (session 56)
+    assert len({methods_fingerprint(), methods_fingerprint(amplitude_init="zero"),
+                methods_fingerprint(amplitude_init="first_batch")}) == 3
+
+
 def test_a_config_edited_by_hand_is_refused_on_resume_naming_the_settings_and_the_way_on(tmp_path):
     """A run's checkpoints were trained with its config: going on with an edited learning rate would give a curve
     of neither config. The texts of the preset and where the run runs may change; every setting training uses not."""

@@ -123,7 +123,8 @@ class ClientRunner:
                 raise ValueError(f"method {self.method.name!r} normalizes image amplitudes, but client {client.name!r} "
                                  f"holds {tuple(client.train.x.shape[1:])} {client.train.x.dtype} inputs, not images; "
                                  "use a method without amplitude_norm for feature vectors")
-            normalizer = amplitude_normalizer(self.method.amplitude_norm, (input_state or {}).get("amp.global"))
+            normalizer = amplitude_normalizer(self.method.amplitude_norm, (input_state or {}).get("amp.global"),
+                                              self.method.amplitude_init)
             normalizer.train()
             amplitude_prepare = AmplitudePrepare(normalizer, self.standardize.mean, self.standardize.std)
             prepare = lambda x: self.place(amplitude_prepare(self.standardize.center_crop(x)))  # noqa: E731
@@ -183,12 +184,16 @@ class ClientRunner:
         return lambda x: self.place(amplitude_prepare(self.standardize.center_crop(x)))
 
 
-def amplitude_normalizer(variant: str, global_amplitude: torch.Tensor | None) -> AmplitudeNormalizer:
-    """A client's normalizer: its own running amplitude (round 1), or the frozen global one afterwards."""
+def amplitude_normalizer(variant: str, global_amplitude: torch.Tensor | None,
+                         init: str | None = None) -> AmplitudeNormalizer:
+    """A client's normalizer: its own running amplitude (round 1), starting as ``init`` says (None: the variant's
+    own, the paper's zero for full, the first batch for code), or the frozen global one afterwards."""
     band = 0.0 if variant == "code" else None  # the code swaps the DC coefficient only (FDA window, L = 0)
     if global_amplitude is not None:
         return AmplitudeNormalizer.from_amplitude(global_amplitude, band_ratio=band)
-    return AmplitudeNormalizer.official_code() if variant == "code" else AmplitudeNormalizer()
+    if variant == "code":
+        return AmplitudeNormalizer.official_code()  # first batch (Method refuses code with init zero)
+    return AmplitudeNormalizer(init=init or "zero")
 
 
 def update_input_state(input_state: dict[str, torch.Tensor], messages: list[dict[str, torch.Tensor]],

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..models.norm import check_norm
+from .amplitude import INITS as AMPLITUDE_INITS
 from .policy import check_policy
 from .client_algorithms import ClientSpec
 from .server import ServerSpec
@@ -38,6 +39,9 @@ class Method:
     # HarmoFL's amplitude normalization of the inputs: None (off), "full" (the paper: whole spectrum,
     # decay 0.1) or "code" (the official code: DC coefficient only, running amplitude of the first batch)
     amplitude_norm: str | None = None
+    # where the running amplitude starts (amplitude.py): "zero" (the paper, Eq. 3) or "first_batch" (the
+    # official code); None = the variant's own (full: zero, code: first_batch)
+    amplitude_init: str | None = None
     # the model normalization the method needs (FedWon: "ws", FedAvg+GN: "gn"); None = the config's model.norm
     norm: str | None = None
     # adaptive gradient clipping threshold lambda (FedWon: 0.64 digits, 1.28 Office/DomainNet); 0 = off
@@ -62,6 +66,17 @@ class Method:
             raise ValueError(f"weight_perturbation must be >= 0 (0 turns it off), got {self.weight_perturbation}")
         if self.amplitude_norm not in (None, "full", "code"):
             raise ValueError(f"amplitude_norm must be None, 'full' or 'code', got {self.amplitude_norm!r}")
+        if self.amplitude_init is not None:
+            if self.amplitude_init not in AMPLITUDE_INITS:
+                raise ValueError(f"amplitude_init must be one of {', '.join(AMPLITUDE_INITS)}, got "
+                                 f"{self.amplitude_init!r}")
+            if self.amplitude_norm is None:
+                raise ValueError(f"method {self.name!r} sets amplitude_init but amplitude normalization is off: "
+                                 "remove amplitude_init, or set amplitude_norm: full or code")
+            if self.amplitude_norm == "code" and self.amplitude_init == "zero":
+                raise ValueError("amplitude_norm code keeps the running amplitude with momentum 0 (the official code), "
+                                 "so amplitude_init zero would keep it at zero: use amplitude_init first_batch, or "
+                                 "amplitude_norm full for the paper's Eq. 3 from zero")
         if self.pooled and self.union_batches:
             raise ValueError("pooled and union_batches are two different centralized references; pick one")
         if self.union_batches:

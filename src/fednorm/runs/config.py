@@ -226,6 +226,9 @@ class MethodConfig(_Strict):
     amplitude_norm: Literal["full", "code", "off"] | None = Field(
         None, description="HarmoFL's amplitude normalization: full (the paper's whole spectrum), code (the official "
         "code's DC-only swap) or off")
+    amplitude_init: Literal["zero", "first_batch"] | None = Field(
+        None, description="where a client's running amplitude starts in round 1: zero (the paper's Eq. 3, default "
+        "with amplitude_norm full) or first_batch (the official code's, default with code)")
 
     @field_validator("name")
     @classmethod
@@ -312,6 +315,7 @@ class MethodConfig(_Strict):
             client=self.client,
             weight_perturbation=self.weight_perturbation,
             amplitude_norm=None if self.amplitude_norm == "off" else self.amplitude_norm,
+            amplitude_init=self.amplitude_init,
         )
         if self.amplitude_norm == "off" and method.amplitude_norm is not None:
             from dataclasses import replace

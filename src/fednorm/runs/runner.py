@@ -580,12 +580,20 @@ _CONFIG_EDITS_ALLOWED = {"name", "description", "paper", "paper_source", "paper_
                          "data.data_dir"}
 
 
+# method fields added after run.json recorded fingerprints: left out of the methods' fingerprint while unset, so
+# runs begun before they existed (whose methods were fingerprinted without them) keep resuming
+METHOD_FIELDS_ADDED_LATER = ("amplitude_init",)
+
+
 def config_fingerprint(config: ExperimentConfig) -> dict[str, str]:
     """A short sha256 of every setting of ``config`` that training depends on, keyed by its dotted name
     (``training.lr``, ``methods``): recorded in run.json, so a resume tells which settings of config.yaml were
     edited since the run wrote it."""
     out = {}
-    for key, value in config.model_dump(mode="json").items():
+    dump = config.model_dump(mode="json")
+    dump["methods"] = [{k: v for k, v in m.items() if not (k in METHOD_FIELDS_ADDED_LATER and v is None)}
+                       for m in dump["methods"]]
+    for key, value in dump.items():
         items = value.items() if isinstance(value, dict) else [(None, value)]
         for sub, v in items:
             name = f"{key}.{sub}" if sub is not None else key
