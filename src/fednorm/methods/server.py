@@ -20,6 +20,9 @@ take the weighted mean. Reddi et al. initialise v at tau^2 and apply no bias cor
 ``torch.optim.Adam``), which is what is done here (Algorithm 2; their experiments' code builds Keras' Adam, which
 corrects the bias). Algorithm 2 gives FedAdagrad the first moment m too, so ``server.momentum`` (b1, default 0.9)
 applies to it as to FedAdam; their code's FedAdagrad is Keras' Adagrad, without m (``server.momentum: 0`` for it).
+Delta is the round's weighted mean of x_k - x with the federation's weights (``federation.weighting``, samples by
+default, as FedAvg's p_k); Reddi et al.'s Algorithm 2 averages with 1/|S|: ``federation.weighting: uniform`` gives
+theirs (the two agree on clients of equal size).
 
 Robust rules act on the pseudo-gradients x - x_k (for DSGD, where every client takes one step from x,
 x - x_k = lr * g_k: the robust rules, being translation- and scale-equivariant, give the same result as
