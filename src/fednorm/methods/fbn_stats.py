@@ -70,7 +70,11 @@ def aggregate_fbn(
     With ``aggregator`` (e.g. ``robust.robust_aggregator(...)``, applied along dim 0) every average is
     replaced by it, the natural robust reading of Section 5 (the paper does not spell it out):
     m = Agg(m_i), v = Agg(v_i) + Kn/((Kn-1) beta) * Agg((m_i - m)^2), deviations taken from the robust m
-    (alternative: plain average of those squared deviations). n is the number of rows, i.e. it counts
+    (alternative: plain average of those squared deviations). A median or Krum of the squared deviations
+    estimates a typical client's, which for this non-negative, right-skewed quantity is usually below their mean
+    (Krum may even pick a client whose deviation is near 0), so even without an attack the robust v tends to be
+    smaller than (RV)'s when the clients' means differ (label skew): robust FBN trades some of FBN's exactness for
+    robustness. n is the number of rows, i.e. it counts
     Byzantine clients too, matching the n the clients used in Kn (alternative: n - f). An aggregator with NNM
     (nearest-neighbour mixing) mixes each of the three quantities (m_i, v_i, (m_i - m)^2) by its own nearest
     neighbours, so the neighbour sets may differ between them (the paper does not say; the alternative is to
