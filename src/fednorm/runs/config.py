@@ -34,7 +34,12 @@ from ..models.wsconv import WSConv2d
 
 
 class ConfigError(ValueError):
-    """The configuration is invalid; the message lists each problem with its key."""
+    """The configuration is invalid; the message lists each problem with its key. ``unknown_keys``: the dotted keys
+    no setting of this fednorm has (a typo, or a setting of a later fednorm)."""
+
+    def __init__(self, message: str, unknown_keys: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.unknown_keys = tuple(unknown_keys)
 
 
 class ConfigWarning(RuntimeWarning):
@@ -944,14 +949,15 @@ def validate(document: dict, source: str = "config") -> ExperimentConfig:
     try:
         return ExperimentConfig.model_validate(document)
     except ValidationError as exc:
-        lines = []
+        lines, unknown = [], []
         for err in exc.errors():
             where = ".".join(str(p) for p in err["loc"]) or "(top level)"
             msg = err["msg"]
             if err["type"] == "extra_forbidden":
                 msg = "unknown key (check its spelling; see `fednorm run --help` and the presets)"
+                unknown.append(where)
             lines.append(f"  {where}: {msg}")
-        raise ConfigError(f"invalid {source}:\n" + "\n".join(lines)) from None
+        raise ConfigError(f"invalid {source}:\n" + "\n".join(lines), unknown_keys=tuple(unknown)) from None
 
 
 def load_config(source: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:

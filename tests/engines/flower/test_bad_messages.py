@@ -6,6 +6,7 @@ model stays; a node that missed a reply is not asked again. Every round's partic
 """
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -159,6 +160,31 @@ def test_with_no_reply_left_the_global_model_stays(tmp_path, caplog):
     assert all(torch.equal(final[k], v) for k, v in before.items())
     train = [r for r in store.read_metrics(cell / "metrics.jsonl") if r["split"] == "train"]
     assert {r["round"] for r in train} == {1}  # no training record for the round nobody completed
+
+
+def test_an_experiment_with_a_setting_of_a_later_fednorm_names_it_and_the_version_mismatch():
+    """A server of a later fednorm sends settings an older node does not know: the node's error names the setting
+    and the likely cause on its last line (the line the server logs of a node's error)."""
+    import yaml
+
+    from fednorm.engines.flower.node import load_experiment
+    from fednorm.engines.flower.server import _error_text
+    from fednorm.runs.config import ConfigError
+
+    document = yaml.safe_load(experiment_text(tiny_config("methods=[fedbn]")))
+    document["methods"][0]["a_later_setting"] = None
+    with pytest.raises(ConfigError) as err:
+        load_experiment(yaml.safe_dump(document))
+    # as a ClientApp's exception comes back (fakegrid.FakeGrid, like Flower's ClientApp error replies)
+    reply = SimpleNamespace(error=Error(code=2, reason=f"{type(err.value).__name__}: {err.value}"))
+    shown = _error_text(reply)
+    assert "methods.0.a_later_setting" in shown and "same fednorm version" in shown
+    # any other invalid setting keeps its own message
+    document["methods"][0].pop("a_later_setting")
+    document["training"]["lr"] = -1
+    with pytest.raises(ConfigError) as err:
+        load_experiment(yaml.safe_dump(document))
+    assert "training.lr" in str(err.value) and "fednorm version" not in str(err.value)
 
 
 def test_validate_checks_without_changing_anything():

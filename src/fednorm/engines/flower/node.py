@@ -35,7 +35,7 @@ from flwr.common.logger import log
 
 from ...data.domain import ClientData
 from ...data.federation import domain_eval_clients, parse_domain
-from ...runs.config import ByzantineConfig, ExperimentConfig, MethodConfig, validate
+from ...runs.config import ByzantineConfig, ConfigError, ExperimentConfig, MethodConfig, validate
 from ...runs.runner import clients_per_domain, partition_record, with_validation, without_class_counts
 from ..client_step import ClientMemory
 from ..device import to_device
@@ -65,7 +65,17 @@ class ClientStateMissing(RuntimeError):
 # ------------------------------------------------------------------------------------------ the experiment
 @functools.lru_cache(maxsize=4)
 def load_experiment(text: str) -> ExperimentConfig:
-    return validate(yaml.safe_load(text) or {}, source="the experiment sent by the server")
+    try:
+        return validate(yaml.safe_load(text) or {}, source="the experiment sent by the server")
+    except ConfigError as exc:
+        if not exc.unknown_keys:
+            raise
+        # the experiment holds every setting of the fednorm that wrote it, so a setting a later fednorm added reaches
+        # an older node (or ServerApp) as an unknown key; said on the message's last line, the one the server's log
+        # shows of a node's error (server._error_text)
+        raise ConfigError(f"{exc}; {', '.join(exc.unknown_keys)}: not a setting of this fednorm. Was the experiment "
+                          "written by a newer fednorm? Install the same fednorm version on the SuperLink's machine "
+                          "and every SuperNode's", unknown_keys=exc.unknown_keys) from exc
 
 
 def experiment_text(config: ExperimentConfig) -> str:
