@@ -52,6 +52,52 @@ def test_fednorm_run_of_a_tiny_harmofl_config(tmp_path):
     assert summary["metric"] == "accuracy" and len(summary["clients"]) == 2
 
 
+class Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("written, weight", [("without the key", 1.0), ("with a null key", 0.1)])
+def test_a_run_folder_written_before_config_yaml_recorded_the_amplitude_start_resumes_with_its_start(
+        tmp_path, written, weight):
+    """Before 2026-11-30 AmpNorm started from the first batch and config.yaml had no amplitude_init: such a run
+    resumes with that start, and the fingerprint it recorded (without the key) accepts its config. A null key (written
+    on 2026-11-30 before config.yaml recorded the start) is the default, the paper's zero start."""
+    import hashlib
+
+    import yaml
+
+    from fednorm.runs.runner import build_federation_data, resume_run, start_run
+
+    cfg = load_config("harmofl_digits", TINY_HARMOFL + ["methods=[fedavg, harmofl]", "federation.rounds=1"])
+    run = tmp_path / "run"
+
+    def stop_before_harmofl(label, *args):
+        if label == "fedavg":
+            raise Stop()
+
+    with pytest.raises(Stop):
+        start_run(cfg, run, progress=stop_before_harmofl)
+    document = yaml.safe_load((run / "config.yaml").read_text())
+    assert [m["amplitude_init"] for m in document["methods"]] == [None, "zero"]  # the start is recorded
+    for entry in document["methods"]:
+        if written == "without the key":
+            del entry["amplitude_init"]
+        else:
+            entry["amplitude_init"] = None
+    (run / "config.yaml").write_text(yaml.safe_dump(document, sort_keys=False))
+    # what that fednorm recorded in run.json: the sha256 of the methods as written, without the key
+    info = json.loads((run / "run.json").read_text())
+    written_methods = [{k: v for k, v in m.items() if k != "amplitude_init"} for m in document["methods"]]
+    info["config_fingerprint"]["methods"] = hashlib.sha256(
+        json.dumps(written_methods, sort_keys=True).encode()).hexdigest()[:16]
+    (run / "run.json").write_text(json.dumps(info))
+    resume_run(run)
+    clients = build_federation_data(cfg, None)
+    batch_mean = torch.stack([torch.fft.fft2(c.train.x.double() / 255).abs().mean(0) for c in clients]).mean(0)
+    amp = torch.load(run / "harmofl" / "seed0" / "checkpoint.pt", weights_only=False)["input_state"]["amp.global"]
+    torch.testing.assert_close(amp, (weight * batch_mean).float(), rtol=1e-5, atol=1e-4)
+
+
 def test_harmofl_presets_build_the_ablation_switches():
     ablation = load_config("harmofl_ablation_camelyon17")
     methods = {m.display: m.build() for m in ablation.methods}
@@ -65,7 +111,7 @@ def test_harmofl_presets_build_the_ablation_switches():
     assert code.amplitude_norm == "code"
     # where the running amplitude starts: the paper's zero unless the method names the code's first batch; the
     # code variant's momentum 0 would keep a zero start at zero, and without AmpNorm there is nothing to start
-    assert methods["harmofl"].amplitude_init is None
+    assert (methods["harmofl"].amplitude_init, code.amplitude_init) == ("zero", "first_batch")
     cfg = load_config("harmofl_digits", ["methods=[{name: harmofl, amplitude_init: first_batch}]"])
     assert cfg.methods[0].build().amplitude_init == "first_batch"
     for bad, says in (("{name: harmofl, amplitude_norm: code, amplitude_init: zero}", "keep it at zero"),

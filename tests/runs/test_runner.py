@@ -675,19 +675,17 @@ def test_a_setting_a_later_fednorm_added_and_an_extension_cut_off_by_a_kill_are_
 
 
 def test_a_method_field_a_later_fednorm_added_keeps_the_fingerprint_of_runs_begun_before_it():
-    """run.json of runs begun before `amplitude_init` existed holds the methods' fingerprint without it: while the
-    field is unset it stays out of the fingerprint, so those runs resume; setting it is an edit like any other."""
+    """run.json of runs begun before `amplitude_init` existed holds the methods' fingerprint without it: for methods
+    without AmpNorm the field stays unset and out of the fingerprint, so those runs (every FBN run) resume; setting
+    it is an edit like any other. (AmpNorm methods: tests/runs/test_harmofl_run.py.)"""
     from fednorm.runs.config import ExperimentConfig, MethodConfig
     from fednorm.runs.runner import config_fingerprint
 
-    def methods_fingerprint(**harmofl):
-        return config_fingerprint(ExperimentConfig(methods=[
-            MethodConfig(name="harmofl", **harmofl),
-            MethodConfig(name="fedavg_ampnorm", amplitude_norm="code", label="x")]))["methods"]
-
-    assert methods_fingerprint() == "a82dbd72a2f623a4"  # what fednorm wrote before the field (session 56)
-    assert len({methods_fingerprint(), methods_fingerprint(amplitude_init="zero"),
-                methods_fingerprint(amplitude_init="first_batch")}) == 3
+    methods = [MethodConfig(name="fbn"), MethodConfig(name="fedbn", label="x", prox_mu=0.01)]
+    assert config_fingerprint(ExperimentConfig(methods=methods))["methods"] == "cc3d865cff9e2d5f"  # fednorm 6f4ff6c
+    ampnorm = [MethodConfig(name="fedavg_ampnorm", amplitude_init=init) for init in (None, "zero", "first_batch")]
+    assert ampnorm[0] == ampnorm[1]  # the default is filled in, so config.yaml records it
+    assert len({config_fingerprint(ExperimentConfig(methods=[m]))["methods"] for m in ampnorm}) == 2
 
 
 def test_a_config_edited_by_hand_is_refused_on_resume_naming_the_settings_and_the_way_on(tmp_path):

@@ -209,6 +209,25 @@ SERVER_OPTION_RULES = {"lr": SERVER_OPTIMIZERS, "momentum": SERVER_OPTIMIZERS, "
                        "nnm": ROBUST_RULES, "robust_f": ROBUST_RULES, "robust_scope": ROBUST_RULES}
 
 
+# where a client's running amplitude starts when a method does not say: the paper's zero with its full-spectrum
+# AmpNorm, the first batch with the official code's variant (whose momentum 0 would keep a zero start at zero)
+AMPLITUDE_INIT_DEFAULTS = {"full": "zero", "code": "first_batch"}
+# the start fednorm used for both variants before 2026-11-30, when config.yaml did not record it
+LEGACY_AMPLITUDE_INIT = "first_batch"
+
+
+def effective_amplitude_norm(method: dict) -> str | None:
+    """The amplitude normalization (full, code or None) of a method entry as written (a dict of MethodConfig
+    fields): its own ``amplitude_norm`` (YAML's bare on/off read as booleans), else its preset's."""
+    value = method.get("amplitude_norm")
+    if isinstance(value, bool):
+        value = "full" if value else "off"
+    if value is None:
+        preset = PRESETS.get(method.get("name"))  # type: ignore[arg-type]
+        value = preset.amplitude_norm if preset is not None else None
+    return value if value in AMPLITUDE_INIT_DEFAULTS else None
+
+
 class MethodConfig(_Strict):
     """A preset by name, optionally with axes overridden (e.g. FedBN + FedProx: name fedbn, prox_mu 0.01)."""
 
@@ -233,7 +252,19 @@ class MethodConfig(_Strict):
         "code's DC-only swap) or off")
     amplitude_init: Literal["zero", "first_batch"] | None = Field(
         None, description="where a client's running amplitude starts in round 1: zero (the paper's Eq. 3, default "
-        "with amplitude_norm full) or first_batch (the official code's, default with code)")
+        "with amplitude_norm full) or first_batch (the official code's, default with code); filled in when the "
+        "config is read, so a run folder's config.yaml names the start its runs used")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_amplitude_init(cls, data: Any) -> Any:
+        # the default is resolved here rather than left None, so that config.yaml records it: a run folder whose
+        # config.yaml has no amplitude_init was written before the default changed (load_run_config)
+        if isinstance(data, dict) and data.get("amplitude_init") is None:
+            variant = effective_amplitude_norm(data)
+            if variant is not None:
+                return {**data, "amplitude_init": AMPLITUDE_INIT_DEFAULTS[variant]}
+        return data
 
     @field_validator("name")
     @classmethod

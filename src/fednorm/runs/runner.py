@@ -21,7 +21,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 import torch
 import yaml
@@ -39,7 +39,7 @@ from ..methods.tasks import prepare_features
 from ..engines.device import resolve_device
 from ..engines.simulation import Federation, InProcessEngine, derive_seed
 from . import store
-from .config import ExperimentConfig, MethodConfig, validate
+from .config import LEGACY_AMPLITUDE_INIT, ExperimentConfig, MethodConfig, effective_amplitude_norm, validate
 
 _INIT_STREAM = 3
 _VAL_STREAM = 4
@@ -585,14 +585,16 @@ _CONFIG_EDITS_ALLOWED = {"name", "description", "paper", "paper_source", "paper_
 METHOD_FIELDS_ADDED_LATER = ("amplitude_init",)
 
 
-def config_fingerprint(config: ExperimentConfig) -> dict[str, str]:
+def config_fingerprint(config: ExperimentConfig, written_without: Collection[int] = ()) -> dict[str, str]:
     """A short sha256 of every setting of ``config`` that training depends on, keyed by its dotted name
     (``training.lr``, ``methods``): recorded in run.json, so a resume tells which settings of config.yaml were
-    edited since the run wrote it."""
+    edited since the run wrote it. ``written_without``: the indices of methods whose config.yaml entry predates
+    ``amplitude_init`` (:func:`load_run_config` filled it in), fingerprinted as they were written."""
     out = {}
     dump = config.model_dump(mode="json")
-    dump["methods"] = [{k: v for k, v in m.items() if not (k in METHOD_FIELDS_ADDED_LATER and v is None)}
-                       for m in dump["methods"]]
+    dump["methods"] = [{k: v for k, v in m.items()
+                        if not (k in METHOD_FIELDS_ADDED_LATER and (v is None or i in written_without))}
+                       for i, m in enumerate(dump["methods"])]
     for key, value in dump.items():
         items = value.items() if isinstance(value, dict) else [(None, value)]
         for sub, v in items:
@@ -661,11 +663,14 @@ def check_config_unchanged(run_dir: Path, config: ExperimentConfig, engine: str 
     if not recorded:
         return
     now = config_fingerprint(config)
+    # methods written before amplitude_init existed: load_run_config filled in the start they ran with
+    legacy = methods_written_without_amplitude_init(run_dir)
+    nows = [now, config_fingerprint(config, legacy)] if legacy else [now]
     # a write of config.yaml cut off by a kill leaves the fingerprint it replaces beside the new one (_write_config)
     accepted = [recorded, *([info["config_fingerprint_before"]] if info.get("config_fingerprint_before") else [])]
     # a recorded setting no longer fingerprinted (one a later fednorm allows to edit, federation.reuse_freed_memory,
     # or one it dropped) is no edit either: runs begun before keep resuming
-    changes = [sorted(k for k in fp if k in now and fp[k] != now[k]) for fp in accepted]
+    changes = [sorted(k for k in fp if k in n and fp[k] != n[k]) for fp in accepted for n in nows]
     if any(not c for c in changes):
         return
     path = Path(run_dir) / store.CONFIG_FILE
@@ -900,7 +905,32 @@ def load_run_config(run_dir: Path) -> ExperimentConfig:
     if not isinstance(saved, dict) or not saved:
         raise store.CorruptFileError(f"{path} is empty or not a mapping; restore it from the run's start or start "
                                      "a new run (resuming would silently train the default experiment)")
+    methods = saved.get("methods")
+    for i in _written_without_amplitude_init(saved):
+        # no amplitude_init key: written before 2026-11-30, when AmpNorm started from the first batch whatever the
+        # variant (the default is now the paper's zero start for full), so resuming or reporting it keeps that start.
+        # (A key left null was written on 2026-11-30 before config.yaml recorded the resolved start: it means the
+        # default, filled in by MethodConfig.)
+        if "amplitude_init" not in methods[i] and effective_amplitude_norm(methods[i]) is not None:
+            methods[i] = {**methods[i], "amplitude_init": LEGACY_AMPLITUDE_INIT}
     return validate(saved, source=str(path))
+
+
+def _written_without_amplitude_init(saved: dict) -> list[int]:
+    methods = saved.get("methods")
+    if not isinstance(methods, list):
+        return []
+    return [i for i, m in enumerate(methods) if isinstance(m, dict) and m.get("amplitude_init") is None]
+
+
+def methods_written_without_amplitude_init(run_dir: Path) -> list[int]:
+    """The indices of the methods whose entry in the run folder's config.yaml has no ``amplitude_init`` or a null
+    one (the run's fingerprint was computed without it; :func:`load_run_config` filled in the start it used)."""
+    try:
+        saved = yaml.safe_load((Path(run_dir) / store.CONFIG_FILE).read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+    return _written_without_amplitude_init(saved) if isinstance(saved, dict) else []
 
 
 def find_run_folder(path: Path) -> Path | None:
