@@ -175,28 +175,46 @@ def test_fedavg_one_full_batch_step_on_different_clients_equals_centralized_sgd(
         torch.testing.assert_close(eng.global_state[key], value, rtol=1e-4, atol=1e-6)
 
 
-def test_fedprox_reference_covers_only_shared_parameters(tiny_clients, monkeypatch):
+def test_fedprox_reference_is_the_rounds_global_shared_parameters(tiny_clients, monkeypatch):
+    """FedProx's w_ref in mu/2 ||w - w_ref||^2 is the global model the round started from (Li et al.), for the
+    shared parameters only (FedBN + FedProx: the client's own BN affine is not pulled), and it stays that model
+    while the client trains (a reference that followed the live weights would make the term vanish)."""
     seen = {}
     import fednorm.engines.client_step as sim
 
     real = sim.train_locally
 
     def spy(*args, **kwargs):
-        seen["keys"] = set(kwargs["prox_reference"])
-        seen["mu"] = kwargs["prox_mu"]
-        return real(*args, **kwargs)
+        reference = kwargs["prox_reference"]
+        seen.setdefault("at_call", []).append({k: v.clone() for k, v in reference.items()})
+        seen.setdefault("mu", []).append(kwargs["prox_mu"])
+        out = real(*args, **kwargs)
+        seen.setdefault("after", []).append({k: v.clone() for k, v in reference.items()})
+        return out
 
     monkeypatch.setattr(sim, "train_locally", spy)
     eng = InProcessEngine(DigitCNN(width=0.125), tiny_clients, resolve_method("fedbn", prox_mu=0.01), TRAIN,
                           Federation(channels_last=False), normalize_batch)
-    eng.run_round()
-    params = {n for n, _ in eng.model.named_parameters()}
-    assert seen["mu"] == 0.01
-    assert seen["keys"] == params - set(eng.local_keys)
-    assert not any(k.startswith("features.1.") for k in seen["keys"])
+    for _ in range(2):
+        start = {k: v.clone() for k, v in eng.global_state.items()}
+        seen.clear()
+        eng.run_round()
+        params = {n for n, _ in eng.model.named_parameters()}
+        assert seen["mu"] == [0.01] * len(tiny_clients)
+        for at_call, after in zip(seen["at_call"], seen["after"]):
+            assert set(at_call) == params - set(eng.local_keys)
+            assert not any(k.startswith("features.1.") for k in at_call)
+            for k in at_call:
+                assert torch.equal(at_call[k], start[k])
+                assert torch.equal(after[k], start[k])
+        assert any(not torch.equal(eng.global_state[k], start[k]) for k in seen["at_call"][0])  # it trained
 
 
-def test_same_seed_same_numbers_and_client_order_does_not_matter(tiny_clients):
+def test_same_seed_same_numbers_and_listing_order_changes_only_rounding(tiny_clients):
+    """A client's random stream (batch order, dropout) derives from the run's seed, the round and the client's
+    position in the federation's client list (the order of the config's domains, fixed for a run), so the same
+    seed gives the same numbers and another seed other numbers. Given the same streams, listing the clients in
+    another order changes the aggregate by float rounding only and no client's local state."""
     a = engine(tiny_clients, "fedbn", weighting="uniform")
     b = engine(tiny_clients, "fedbn", weighting="uniform")
     for _ in range(2):
@@ -204,13 +222,18 @@ def test_same_seed_same_numbers_and_client_order_does_not_matter(tiny_clients):
         b.run_round()
     for k in a.global_state:
         assert torch.equal(a.global_state[k], b.global_state[k])
-    # the same clients listed in another order: each keeps its stream, so its local state is the same
-    reordered = engine(list(reversed(tiny_clients)), "fedbn", weighting="uniform")
-    reordered._index = a._index  # client identity, not list position, defines its random stream
     first = engine(tiny_clients, "fedbn", weighting="uniform")
     first.run_round()
+    # listed in reverse, each client draws the stream of its new position: its local training differs
+    reversed_list = engine(list(reversed(tiny_clients)), "fedbn", weighting="uniform")
+    reversed_list.run_round()
+    assert not torch.equal(first.local_states["c0"]["features.1.running_mean"],
+                           reversed_list.local_states["c0"]["features.1.running_mean"])
+    # the same streams (positions as in ``first``) and the reversed listing: only the summation order differs
+    reordered = engine(list(reversed(tiny_clients)), "fedbn", weighting="uniform")
+    reordered._index = dict(first._index)
     reordered.run_round()
-    for k in a.shared_keys:  # equal up to the float rounding of the weighted sum's order
+    for k in first.shared_keys:
         torch.testing.assert_close(first.global_state[k], reordered.global_state[k], rtol=1e-5, atol=1e-6)
     for name in first.local_states:
         for k, v in first.local_states[name].items():
@@ -220,6 +243,50 @@ def test_same_seed_same_numbers_and_client_order_does_not_matter(tiny_clients):
     a2 = engine(tiny_clients, "fedbn")
     a2.run_round()
     assert not torch.equal(other.global_state["features.0.weight"], a2.global_state["features.0.weight"])
+
+
+@pytest.mark.parametrize("method", ["fedavg", "centralized_bn"])
+def test_learning_rate_decay_reaches_every_clients_optimizer_each_round(tiny_clients, monkeypatch, method):
+    """training.lr_decay_every (FBN Table 2: lr / (1 + t // every)): in round t every client, and centralized BN's
+    one model on the merged batches, steps with that round's learning rate, and so does a persistent optimizer."""
+    import fednorm.engines.client_step as client_step
+    import fednorm.engines.simulation as simulation
+
+    used = []
+
+    def spy(real):
+        def wrapped(model, data, cfg, **kwargs):
+            used.append(cfg.lr)
+            result, state = real(model, data, cfg, **kwargs)
+            used.append(state["param_groups"][0]["lr"])
+            return result, state
+        return wrapped
+
+    monkeypatch.setattr(client_step, "train_locally", spy(client_step.train_locally))
+    monkeypatch.setattr(simulation, "train_locally", spy(simulation.train_locally))
+    training = LocalTraining(batch_size=8, lr=0.06, momentum=0.9, lr_decay_every=2, steps=1)
+    eng = engine(tiny_clients, method, training=training, persistent_optimizer=True)
+    per_round = []
+    for _ in range(5):
+        used.clear()
+        eng.run_round()
+        assert len(set(used)) == 1, used
+        per_round.append(used[0])
+    assert per_round == pytest.approx([0.06, 0.06, 0.03, 0.03, 0.02])
+
+
+def test_fednova_server_folds_in_each_clients_real_number_of_local_steps(tiny_clients):
+    """FedNova normalizes each client's update by its local steps tau_i: the replies the server folds in carry
+    the steps each client really ran (two epochs of ceil(n / B) batches: 24, 16 and 20 samples at B = 8), and the
+    server knows the clients' optimizer (lr, momentum) that a_i depends on."""
+    training = LocalTraining(batch_size=8, lr=0.05, momentum=0.5, epochs=2)
+    eng = engine(tiny_clients, "fednova", training=training)
+    folded = []
+    add = eng.server.add
+    eng.server.add = lambda reply: (folded.append((reply.client, reply.num_steps)), add(reply))[1]
+    eng.run_round()
+    assert folded == [("c0", 6), ("c1", 4), ("c2", 6)]
+    assert (eng.server.schedule.lr, eng.server.schedule.momentum) == (0.05, 0.5)
 
 
 def test_client_sampling_is_seeded_per_round():

@@ -49,8 +49,10 @@ def test_epoch_schedule_covers_every_sample_once_per_epoch():
     cfg = LocalTraining(epochs=2, batch_size=32)
     batches = batch_schedule(743, cfg, torch.Generator().manual_seed(0), guard_single=False)
     assert len(batches) == 2 * 24
-    first = torch.cat(batches[:24])
+    first, second = torch.cat(batches[:24]), torch.cat(batches[24:])
     assert sorted(first.tolist()) == list(range(743))
+    assert sorted(second.tolist()) == list(range(743))
+    assert not torch.equal(first, second)  # reshuffled every epoch (a DataLoader with shuffle=True)
 
 
 def test_fixed_steps_repeat_sampling_for_small_clients():

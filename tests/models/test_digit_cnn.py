@@ -19,7 +19,10 @@ def test_fedbn_table3_architecture():
     assert [b.num_features for b in layers(model, nn.BatchNorm2d)] == [64, 64, 128]
     assert [b.num_features for b in layers(model, nn.BatchNorm1d)] == [2048, 512]
     assert not layers(model, nn.Dropout)
-    assert len(layers(model, nn.MaxPool2d)) == 2
+    # Table 3's order: Conv -> BN -> ReLU (-> MaxPool after the first two), FC -> BN -> ReLU
+    block, pool = [nn.Conv2d, nn.BatchNorm2d, nn.ReLU], [nn.MaxPool2d]
+    assert [type(m) for m in model.features] == block + pool + block + pool + block
+    assert [type(m) for m in model.classifier] == [nn.Linear, nn.BatchNorm1d, nn.ReLU] * 2 + [nn.Linear]
     assert model(torch.zeros(2, 3, 28, 28)).shape == (2, 10)
 
 

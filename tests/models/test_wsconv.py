@@ -51,6 +51,23 @@ def test_listing1_defaults_gain_eps_and_non_persistent_buffers():
     assert set(conv.state_dict()) == {"weight", "bias", "gain"}
 
 
+def test_weights_start_xavier_normal_as_listing1_and_the_converter():
+    """FedWon's WSConv initialises its weight with nn.init.xavier_normal_ (gain 1): std sqrt(2 / (fan_in + fan_out)),
+    not Conv2d's Kaiming-uniform (std 1 / sqrt(3 fan_in)); so do the converter's fresh convolutions."""
+    torch.manual_seed(0)
+    conv = WSConv2d(4, 8, 3, groups=2)
+    torch.manual_seed(0)
+    reference = nn.Conv2d(4, 8, 3, groups=2)  # draws its Kaiming weight and bias first, as WSConv2d's parent does
+    nn.init.xavier_normal_(reference.weight)
+    assert torch.equal(conv.weight, reference.weight)
+    assert torch.equal(conv.bias, reference.bias)
+    torch.manual_seed(1)
+    converted = convert_to_ws(nn.Sequential(nn.Conv2d(64, 64, 3), nn.BatchNorm2d(64)))[0]
+    xavier_std = (2 / (64 * 9 + 64 * 9)) ** 0.5  # 0.0417; Kaiming-uniform's would be 0.0241
+    assert float(converted.weight.std()) == pytest.approx(xavier_std, rel=0.05)  # 36,864 draws: std's SE 0.4 %
+    assert abs(float(converted.weight.mean())) < 0.002
+
+
 def test_eps_clamps_fan_in_times_variance():
     conv = WSConv2d(3, 1, 1, bias=False)
     with torch.no_grad():

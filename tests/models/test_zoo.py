@@ -77,9 +77,10 @@ def test_alexnet_fedbn_table9_geometry():
         (384, 256, (3, 3), (1, 1), (1, 1)), (256, 256, (3, 3), (1, 1), (1, 1))]
     pools = layers(model.features, nn.MaxPool2d)
     assert [(p.kernel_size, p.stride) for p in pools] == [(3, 2)] * 3
-    # max-pools after convs 1, 2 and 5
-    kinds = [type(m) for m in model.features if isinstance(m, (nn.Conv2d, nn.MaxPool2d))]
-    assert kinds == [nn.Conv2d, nn.MaxPool2d, nn.Conv2d, nn.MaxPool2d, nn.Conv2d, nn.Conv2d, nn.Conv2d, nn.MaxPool2d]
+    # Table 9's order: Conv -> BN -> ReLU, max-pools after convs 1, 2 and 5; FC -> BN -> ReLU
+    block, pool = [nn.Conv2d, nn.BatchNorm2d, nn.ReLU], [nn.MaxPool2d]
+    assert [type(m) for m in model.features] == block + pool + block + pool + block * 3 + pool
+    assert [type(m) for m in model.classifier] == [nn.Linear, nn.BatchNorm1d, nn.ReLU] * 2 + [nn.Linear]
     assert model.avgpool.output_size == (6, 6)
     fcs = layers(model.classifier, nn.Linear)
     assert [(f.in_features, f.out_features) for f in fcs] == [(9216, 4096), (4096, 4096), (4096, 10)]
