@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -473,3 +474,92 @@ def test_rescore_prints_and_writes_stored_and_recomputed_bn_scores(tmp_path):
     assert table.strip() in result.output and "| fedbn/seed0 | 2 | recomputed |" in table
     result = runner.invoke(app, ["rescore", str(out), "--selected"])  # no validation data: no selected model
     assert result.exit_code == 2 and "no cell has a selected.pt" in " ".join(result.output.split())
+
+
+def test_run_help_says_what_its_config_argument_may_be():
+    """The arguments' help reaches --help (typer 0.20, which Flower 1.41 caps, drops it with click 8.5)."""
+    result = runner.invoke(app, ["run", "--help"], terminal_width=200)
+    assert result.exit_code == 0 and "YAML config file or preset name" in result.output
+    result = runner.invoke(app, ["resume", "--help"], terminal_width=200)
+    assert "a run folder written by `fednorm run`" in result.output
+
+
+def test_presets_lists_one_aligned_line_per_preset_and_no_warnings():
+    from fednorm.runs.config import preset_names
+
+    result = runner.invoke(app, ["presets"], terminal_width=400)
+    assert result.exit_code == 0 and "warning" not in result.output
+    lines = result.output.splitlines()
+    names = preset_names()
+    assert [line.split()[0] for line in lines] == names
+    width = max(map(len, names))
+    assert all(line[width] == " " and line[width + 1] != " " for line in lines)  # descriptions start in one column
+
+
+def test_a_folder_given_as_config_is_a_message_naming_resume_for_a_run_folder(tmp_path):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    result = runner.invoke(app, ["run", str(plain), "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2 and "is a folder, not a config file" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "r").exists()
+    (plain / "config.yaml").write_text("name: x\n")
+    result = runner.invoke(app, ["run", str(plain)], terminal_width=400)
+    assert result.exit_code == 2 and f"`fednorm resume {plain}` continues it" in result.output
+
+
+def test_out_on_an_existing_file_fails_before_the_data_are_built(tmp_path, monkeypatch):
+    from fednorm.runs import runner as run_module
+
+    monkeypatch.setattr(run_module, "build_federation_data", lambda *a, **k: pytest.fail("built the data first"))
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    for out in (taken, taken / "run"):
+        result = runner.invoke(app, ["run", *SETS, "--out", str(out), "--quiet"], terminal_width=400)
+        assert result.exit_code == 2 and f"{taken} is a file; choose another --out" in result.output, result.output
+    assert taken.read_text() == "mine"
+
+
+def test_resume_of_a_finished_run_says_so_and_builds_no_data(tmp_path, monkeypatch):
+    from fednorm.runs import runner as run_module
+
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["run", *SETS, "--set", "methods=[fedavg]", "--set", "federation.rounds=1",
+                                 "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    (out / "results.md").unlink()
+    monkeypatch.setattr(run_module, "build_federation_data", lambda *a, **k: pytest.fail("built the data"))
+    result = runner.invoke(app, ["resume", str(out), "--quiet"], terminal_width=400)
+    assert result.exit_code == 0, result.output
+    assert f"every cell of {out} finished earlier (1 cells, 1 rounds): nothing to train" in result.output
+    assert (out / "results.md").exists()  # the table is written again from the summaries
+
+
+def test_resume_names_the_run_folder_when_given_one_of_its_files_and_checks_its_options_first(tmp_path):
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["run", *SETS, "--set", "methods=[fedavg]", "--set", "federation.rounds=1",
+                                 "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["resume", str(out / "config.yaml")], terminal_width=400)
+    assert result.exit_code == 2 and f"is a file of a run: give its run folder, {out}" in result.output
+    result = runner.invoke(app, ["resume", str(out), "--on-divergence", "recrod"], terminal_width=400)
+    said = " ".join(result.output.replace("│", " ").split())  # the usage error is a rich panel: unwrap it
+    assert result.exit_code == 2 and "'recrod' is not one of 'stop', 'record'" in said, said
+    assert "preparing data" not in result.output
+
+
+def test_report_skips_summary_files_fednorm_did_not_write_and_names_a_damaged_cell(tmp_path):
+    out = tmp_path / "project" / "run"
+    result = runner.invoke(app, ["run", *SETS, "--set", "methods=[fedavg]", "--set", "federation.rounds=1",
+                                 "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    other = tmp_path / "project" / "tool" / "summary.json"
+    other.parent.mkdir()
+    other.write_text("{}")
+    result = runner.invoke(app, ["report", str(tmp_path / "project"), "--markdown"], terminal_width=400)
+    assert result.exit_code == 0, result.output
+    assert "fedavg" in result.output and f"skipped 1 summary.json file(s) that fednorm did not write" in result.output
+    alone = runner.invoke(app, ["report", str(other.parent)], terminal_width=400)
+    assert alone.exit_code == 2 and "holds no run" in alone.output and "Traceback" not in alone.output
+    (out / "fedavg" / "seed0" / "summary.json").write_text('{"note": "overwritten"}')
+    result = runner.invoke(app, ["report", str(out)], terminal_width=400)
+    assert result.exit_code == 2 and "is not a cell summary" in result.output and "fednorm resume" in result.output

@@ -119,6 +119,9 @@ def test_wrong_size_is_rejected_before_hashing(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="wrong size") as info:
         load_npz(root, "digits/a.npz")
     assert str(path) in str(info.value)
+    # the folder holds the file, so it is probably the right one: the hint says so, not "pass --data-dir"
+    assert f"If {root} is not the data folder you meant, pass --data-dir DIR" in str(info.value)
+    assert "in the documented format" not in str(info.value)
 
 
 def test_missing_file(tmp_path):

@@ -90,7 +90,11 @@ def test_fedwon_methods_and_cross_device_validate():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["methods=[fedbn]", "federation.setting=cross_device"], "cross-device"),
+    (["methods=[fedbn]", "federation.setting=cross_device"],
+     r"method 'fedbn' cannot run cross-device: all BatchNorm state .* stays on each client, and cross-device clients "
+     r"are stateless .* Use a stateless method \(fedavg, fedprox, .*fedwon.*\) or federation.setting: cross_silo"),
+    (["methods=[scaffold]", "federation.setting=cross_device", "model.norm=gn"],
+     r"'scaffold' cannot run cross-device: each client keeps its control variate c_i \(SCAFFOLD\) from one round"),
     (["methods=[fedavg]", "training.batch_size=1"], "batch_size 1"),
     (["methods=[{name: fedbn, norm: gn}]"], "keeps BatchNorm state local"),
     (["model.norm=batch"], "model.norm"),
@@ -247,3 +251,32 @@ def test_fedwon_table2_and_table20_batch_sizes_are_presets_with_table9_rates():
         assert sum(fedwon_row.values()) / 4 == pytest.approx(paper_fedwon_avg[batch], abs=0.005)
     with pytest.raises(ConfigError, match="cannot use batch_size 1"):
         load_config("fedwon_small_batch_b1", ["methods=[{name: fedbn, lr: 0.001}]"])
+
+
+def test_a_misspelled_key_gets_the_keys_spelled_like_it():
+    with pytest.raises(ConfigError, match=r"federation.rouns: unknown key; did you mean federation.rounds\?"):
+        load_config("default", ["federation.rouns=3"])
+    with pytest.raises(ConfigError, match=r"methods.0.prox_mux: unknown key; did you mean methods.prox_mu\?"):
+        load_config("default", ["methods=[{name: fedprox, prox_mux: 0.1}]"])
+    with pytest.raises(ConfigError) as err:  # nothing close: no guess
+        load_config("default", ["training.zzzzzz=3"])
+    assert "did you mean" not in str(err.value) and "training.zzzzzz: unknown key" in str(err.value)
+
+
+@pytest.mark.parametrize("override", ["federation.rounds=true", "training.lr=false", "federation.fraction=true"])
+def test_true_or_false_where_a_number_belongs_is_refused_not_read_as_1_or_0(override):
+    key = override.split("=")[0].split(".")[-1]
+    with pytest.raises(ConfigError, match=rf"{key} is a number, got (true|false)") as err:
+        load_config("default", [override])
+    assert "Value error" not in str(err.value)  # pydantic's prefix is not shown
+
+
+def test_numbers_yaml_reads_as_strings_are_still_numbers_and_booleans_stay_booleans():
+    cfg = load_config("default", ["training.lr=1e-3", "federation.rounds=3", "federation.channels_last=true"])
+    assert cfg.training.lr == 1e-3 and cfg.federation.rounds == 3 and cfg.federation.channels_last is True
+
+
+@pytest.mark.parametrize("override", ["=3", "federation.=3", ".rounds=3"])
+def test_an_empty_key_is_named_as_such(override):
+    with pytest.raises(ConfigError, match="has an empty key"):
+        load_config("default", [override])

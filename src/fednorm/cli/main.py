@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
+import click
 import typer
 from rich.console import Console
 from rich.measure import Measurement
@@ -19,11 +20,11 @@ from ..data.domain import DataError
 from ..engines.device import DeviceError
 from ..methods.aggregation import DivergenceError, UpdateError
 from ..methods.presets import PRESETS
-from ..runs.config import ConfigError, ConfigWarning, load_config, preset_names
+from ..runs.config import ON_DIVERGENCE, ConfigError, ConfigWarning, load_config, preset_names
 from ..runs.store import CorruptFileError
 from ..runs.report import ResultsTable, build_table, collect_runs, no_finished_cell, read_summaries
 from ..runs.runner import (RunError, load_run_config, resolved_hardware, resume_run, start_run,
-                           with_device)
+                           unfinished_cells, with_device)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -169,7 +170,8 @@ def resume(
     rounds: Optional[int] = typer.Option(None, "--rounds", min=1, help="extend the run to this many rounds: "
                                          "finished cells go on from their last checkpoint (a shortened run "
                                          "grows towards the paper's protocol)"),
-    on_divergence: Optional[str] = typer.Option(None, "--on-divergence", help="stop or record: what a NaN/inf "
+    on_divergence: Optional[str] = typer.Option(None, "--on-divergence", click_type=click.Choice(ON_DIVERGENCE),
+                                                help="stop or record: what a NaN/inf "
                                                 "loss, update or evaluation loss does from here on (record: a run stopped by a diverged cell "
                                                 "marks it diverged and goes on with the next cells)"),
 ) -> None:
@@ -177,7 +179,12 @@ def resume(
     --device: to float rounding). With --rounds, also a finished run, to more rounds."""
     try:
         cfg = with_device(load_run_config(run_dir), device)
-        console.print(f"[dim]{_hardware_line(cfg)}[/]", highlight=False)
+        if (rounds is None or rounds == cfg.federation.rounds) and not unfinished_cells(run_dir, cfg):
+            console.print(f"every cell of {run_dir} finished earlier ({len(cfg.methods) * len(cfg.seeds)} cells, "
+                          f"{cfg.federation.rounds} rounds): nothing to train (--rounds N extends it to N rounds); "
+                          "its table:", highlight=False)
+        else:
+            console.print(f"[dim]{_hardware_line(cfg)}[/]", highlight=False)
         total = rounds or cfg.federation.rounds
         progress = _Progress(total * len(cfg.methods) * len(cfg.seeds), quiet)
         with progress.bar:
@@ -317,8 +324,13 @@ def methods() -> None:
 @app.command()
 def presets() -> None:
     """List the experiment presets shipped with fednorm."""
-    for name in preset_names():
-        console.print(f"[bold]{name:20s}[/] {load_config(name).description}", highlight=False, soft_wrap=True)
+    names = preset_names()
+    width = max(map(len, names))
+    with warnings.catch_warnings():  # a preset's config warnings belong to running it, not to this list
+        warnings.simplefilter("ignore", ConfigWarning)
+        descriptions = [load_config(name).description for name in names]
+    for name, description in zip(names, descriptions):
+        console.print(f"[bold]{name:{width}s}[/] {description}", highlight=False, soft_wrap=True)
 
 
 from .bench import bench  # noqa: E402 - next to its registration

@@ -32,6 +32,11 @@ _FIX = (
     "(npz files plus manifest.json, e.g. ../shared/data from the project root)"
 )
 
+
+def _other_folder(data_dir: Path) -> str:
+    """The hint for a file that is there but damaged: the folder is probably the right one."""
+    return f"If {data_dir} is not the data folder you meant, pass --data-dir DIR or set {ENV_VAR}"
+
 # Files whose checksum already matched in this process, keyed by (path, size, mtime_ns, expected
 # sha256): a file that has not changed on disk is not hashed again on every load.
 _verified: set[tuple[str, int, int, str]] = set()
@@ -65,12 +70,12 @@ def _manifest_entry(data_dir: Path, relpath: str) -> dict | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DataError(
             f"Cannot read the data manifest {manifest_path}: {exc}. "
-            f"Re-copy manifest.json from the data source. {_FIX}."
+            f"Re-copy manifest.json from the data source. {_other_folder(data_dir)}."
         ) from exc
     if not isinstance(manifest, dict):
         raise DataError(
             f"The data manifest {manifest_path} is not a JSON object of file entries. "
-            f"Re-copy manifest.json from the data source. {_FIX}."
+            f"Re-copy manifest.json from the data source. {_other_folder(data_dir)}."
         )
     want = Path(relpath).as_posix()
     for entry in manifest.values():
@@ -87,7 +92,7 @@ def _redo(data_dir: Path, relpath: str) -> str:
     return f"Write it again with: {command}" if command else "Re-download or re-copy it from the data source"
 
 
-def _verify(path: Path, entry: dict, redo: str) -> None:
+def _verify(path: Path, entry: dict, redo: str, data_dir: Path) -> None:
     """Check size then sha256 of ``path`` against its manifest entry (memoized per process)."""
     expected_sha = str(entry.get("sha256", "")).lower()
     expected_size = entry.get("bytes")
@@ -98,7 +103,7 @@ def _verify(path: Path, entry: dict, redo: str) -> None:
     if expected_size is not None and stat.st_size != int(expected_size):
         raise DataError(
             f"Data file {path} has the wrong size: expected {int(expected_size)} bytes (manifest), "
-            f"found {stat.st_size}. The file is truncated or not the listed one. {redo}. {_FIX}."
+            f"found {stat.st_size}. The file is truncated or not the listed one. {redo}. {_other_folder(data_dir)}."
         )
     if expected_sha:
         actual = sha256_of(path)
@@ -106,7 +111,7 @@ def _verify(path: Path, entry: dict, redo: str) -> None:
             raise DataError(
                 f"Checksum mismatch for data file {path}: expected sha256 {expected_sha} "
                 f"(manifest), got {actual}. The file is corrupt or not the listed one. "
-                f"{redo}. {_FIX}."
+                f"{redo}. {_other_folder(data_dir)}."
             )
     _verified.add(key)
 
@@ -131,18 +136,18 @@ def load_npz(
         )
     entry = _manifest_entry(data_dir, relpath)
     if entry is not None:
-        _verify(path, entry, _redo(data_dir, relpath))
+        _verify(path, entry, _redo(data_dir, relpath), data_dir)
     try:
         npz = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise DataError(
             f"Data file {path} is not a readable npz archive ({type(exc).__name__}: {exc}). "
-            f"{_redo(data_dir, relpath)}. {_FIX}."
+            f"{_redo(data_dir, relpath)}. {_other_folder(data_dir)}."
         ) from exc
     if not isinstance(npz, np.lib.npyio.NpzFile):
         raise DataError(
             f"Data file {path} holds a single .npy array, not an npz archive of named arrays. "
-            f"{_redo(data_dir, relpath)}. {_FIX}."
+            f"{_redo(data_dir, relpath)}. {_other_folder(data_dir)}."
         )
     with npz:
         available = list(npz.files)
@@ -151,14 +156,14 @@ def load_npz(
         if missing:
             raise DataError(
                 f"Data file {path} lacks the array(s) {missing}; it has {available}. "
-                f"It is not in the documented format. {_redo(data_dir, relpath)}. {_FIX}."
+                f"It is not in the documented format. {_redo(data_dir, relpath)}. {_other_folder(data_dir)}."
             )
         try:
             return {k: npz[k] for k in wanted}
         except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
             raise DataError(
                 f"Data file {path} has an unreadable array ({type(exc).__name__}: {exc}). "
-                f"{_redo(data_dir, relpath)}. {_FIX}."
+                f"{_redo(data_dir, relpath)}. {_other_folder(data_dir)}."
             ) from exc
 
 
@@ -181,7 +186,7 @@ def verify_folder(data_dir: Path) -> list[tuple[str, str]]:
             report.append((str(entry["file"]), "missing"))
             continue
         try:
-            _verify(path, entry, _redo(data_dir, str(entry["file"])))
+            _verify(path, entry, _redo(data_dir, str(entry["file"])), data_dir)
             report.append((str(entry["file"]), "ok"))
         except DataError as exc:
             report.append((str(entry["file"]), str(exc).split(". ")[0]))

@@ -145,6 +145,7 @@ class ClientAlgorithm:
     """Plain local SGD: no hook does anything."""
 
     stateful = False  # keeps client_state between rounds
+    kept_state = "nothing"  # what that state is, for messages (e.g. why a method cannot run cross-device)
 
     def __init__(self, spec: ClientSpec | None = None) -> None:
         self.spec = spec or ClientSpec()
@@ -206,6 +207,7 @@ class Scaffold(ClientAlgorithm):
     corrected steps then diverge: measured on digits at lr 0.001). Without momentum both are K."""
 
     stateful = True
+    kept_state = "its control variate c_i (SCAFFOLD)"
 
     def init_server_state(self, model: nn.Module, shared_params: list[str]) -> dict[str, Tensor]:
         params = dict(model.named_parameters())
@@ -364,6 +366,7 @@ class Moon(ClientAlgorithm):
     """
 
     stateful = True
+    kept_state = "its model of the previous round (MOON's z_prev)"
 
     def on_start(self, ctx: ClientContext, model: nn.Module) -> None:
         name, _ = representation_module(model, self.spec.moon_layer)
@@ -432,6 +435,7 @@ class FedDC(Scaffold):
     """
 
     stateful = True
+    kept_state = "its drift h_i and gradient correction g_i (FedDC)"
 
     @property
     def option(self) -> str:

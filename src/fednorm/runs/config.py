@@ -9,7 +9,7 @@ from __future__ import annotations
 import warnings
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import torch
 import yaml
@@ -33,6 +33,10 @@ from ..models.registry import MODEL_NAMES, build_model
 from ..models.wsconv import WSConv2d
 
 
+OnDivergence = Literal["stop", "record"]
+ON_DIVERGENCE: tuple[str, ...] = get_args(OnDivergence)  # `fednorm resume --on-divergence` offers the same
+
+
 class ConfigError(ValueError):
     """The configuration is invalid; the message lists each problem with its key. ``unknown_keys``: the dotted keys
     no setting of this fednorm has (a typo, or a setting of a later fednorm)."""
@@ -49,8 +53,29 @@ class ConfigWarning(RuntimeWarning):
     these as one ``warning:`` line instead."""
 
 
+def _admits(annotation, kinds: tuple[type, ...]) -> bool:
+    """Whether a field's annotation (through Optional, unions, Annotated and containers) admits one of ``kinds``."""
+    if annotation in kinds:
+        return True
+    return any(_admits(arg, kinds) for arg in getattr(annotation, "__args__", ()) if arg is not Ellipsis)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, data: Any) -> Any:
+        """``true`` / ``false`` where a number belongs is a mistake, not 1 / 0 (pydantic's lax mode would take
+        ``federation.rounds=true`` as one round). Numbers written as strings ("1e-3", which YAML 1.1 reads as
+        a string) are still parsed."""
+        if isinstance(data, dict):
+            for key, value in data.items():
+                field = cls.model_fields.get(key)
+                if (isinstance(value, bool) and field is not None and _admits(field.annotation, (int, float))
+                        and not _admits(field.annotation, (bool,))):
+                    raise ValueError(f"{key} is a number, got {str(value).lower()}")
+        return data
 
 
 def _images_of(domain: str) -> str:
@@ -483,7 +508,7 @@ class FederationConfig(_Strict):
         "rounds", description="rounds: E local epochs (or training.steps) per round, the FedAvg family; dsgd: one "
         "local step per round from the global model with a persistent client optimizer, so the server's average "
         "is DSGD's averaged (momentum) gradient step (FBN paper, Algorithm 3)")
-    on_divergence: Literal["stop", "record"] = Field(
+    on_divergence: OnDivergence = Field(
         "stop", description="when a client's loss or update, or the global model's evaluation loss, turns NaN/inf: "
         "stop the run with an error (stop), or end only that cell, keep the last finite model's scores, mark the "
         "cell diverged and go on with the "
@@ -791,9 +816,13 @@ class ExperimentConfig(_Strict):
             method = m.build()
             norm = method.norm or self.model.norm
             if self.federation.setting == "cross_device" and method.stateful_clients:
+                state = (POLICIES[method.policy] if method.policy != "shared" else
+                         f"each client keeps {method.client.build().kept_state} from one round to the next")
+                stateless = ", ".join(n for n, p in PRESETS.items() if not p.stateful_clients)
                 raise ValueError(
-                    f"method {m.display!r} keeps state on each client (policy {method.policy!r}); cross-device "
-                    "clients are stateless: use fedavg, fedprox, fedwon, fedavg_gn, fedavg_ln or fixbn")
+                    f"method {m.display!r} cannot run cross-device: {state}, and cross-device clients are "
+                    f"stateless (a new sample of devices each round). Use a stateless method ({stateless}) or "
+                    "federation.setting: cross_silo")
             if norm in BATCHNORM_KINDS and self.training.batch_size == 1:
                 raise ValueError(
                     f"method {m.display!r} trains a BatchNorm model, which cannot use batch_size 1; "
@@ -933,6 +962,11 @@ def _read_one(source: str | Path | None) -> tuple[dict, Path | None]:
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.exists():
             raise ConfigError(f"config file {path} does not exist")
+        if path.is_dir():
+            hint = (f"it holds a run: `fednorm resume {path}` continues it, `fednorm run {path / 'config.yaml'}` "
+                    "starts a new run with its settings" if (path / "config.yaml").is_file() else
+                    "give a YAML config file or a preset name (`fednorm presets` lists them)")
+            raise ConfigError(f"{path} is a folder, not a config file: {hint}")
         text = path.read_text()
         where = path
     else:
@@ -958,6 +992,9 @@ def apply_overrides(document: dict, overrides: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value, e.g. federation.rounds=5")
         key, raw = item.split("=", 1)
+        if not all(part.strip() for part in key.split(".")):
+            raise ConfigError(f"override {item!r} has an empty key (or an empty part of one): write key=value, "
+                              "e.g. federation.rounds=5")
         try:
             value = yaml.safe_load(raw)
         except yaml.YAMLError as exc:
@@ -976,6 +1013,31 @@ def apply_overrides(document: dict, overrides: list[str]) -> dict:
     return document
 
 
+def _close_keys(loc: tuple) -> list[str]:
+    """Known keys spelled like the unknown key at ``loc`` (e.g. federation.rouns -> federation.rounds)."""
+    import difflib
+
+    model: Any = ExperimentConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue  # an entry of a list (methods[0]): its model is the list's
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = next((m for m in _models_in(field.annotation)), None)
+        if model is None:
+            return []
+    prefix = ".".join(str(p) for p in loc[:-1] if not isinstance(p, int))
+    names = difflib.get_close_matches(str(loc[-1]), list(getattr(model, "model_fields", {})), n=2, cutoff=0.6)
+    return [f"{prefix}.{n}" if prefix else n for n in names]
+
+
+def _models_in(annotation) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in getattr(annotation, "__args__", ()) for m in _models_in(arg)]
+
+
 def validate(document: dict, source: str = "config") -> ExperimentConfig:
     try:
         return ExperimentConfig.model_validate(document)
@@ -983,9 +1045,11 @@ def validate(document: dict, source: str = "config") -> ExperimentConfig:
         lines, unknown = [], []
         for err in exc.errors():
             where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-            msg = err["msg"]
+            msg = err["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
             if err["type"] == "extra_forbidden":
-                msg = "unknown key (check its spelling; see `fednorm run --help` and the presets)"
+                close = _close_keys(err["loc"])
+                msg = ("unknown key" + (f"; did you mean {' or '.join(close)}?" if close else "") +
+                       " (the keys and their meaning: README.md, section Configuration, and the presets' YAML)")
                 unknown.append(where)
             lines.append(f"  {where}: {msg}")
         raise ConfigError(f"invalid {source}:\n" + "\n".join(lines), unknown_keys=tuple(unknown)) from None

@@ -212,18 +212,32 @@ def split_label(method: str, key: str, config) -> str:
     return f"{method} [{key.rsplit('.', 1)[-1]}={shown}]"
 
 
-def read_cells(run_dir: Path) -> list[tuple[Path, dict]]:
+# what every summary.json that fednorm writes holds (store.write_summary); other files of that name are not cells
+CELL_SUMMARY_KEYS = ("method", "seed", "clients")
+
+
+def read_cells(run_dir: Path, skipped: list[Path] | None = None) -> list[tuple[Path, dict]]:
     """(cell folder, summary) of every finished cell under ``run_dir`` (a run folder, a cell folder, or a folder
-    of runs)."""
+    of runs). A summary.json that is not a cell's (no method, seed and clients: another tool's file in a project
+    folder) is left out and appended to ``skipped``; one inside a run folder is a damaged cell and raises."""
+    from .runner import find_run_folder, resume_command
+
     cells = []
     for path in sorted(Path(run_dir).glob(f"**/{store.SUMMARY_FILE}")):
+        redo = (f"re-create it by resuming the run, {resume_command(path.parent.parent.parent).removeprefix('with ')}, "
+                "or delete the cell folder")
         try:
-            cells.append((path.parent, json.loads(path.read_text())))
+            summary = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            from .runner import resume_command
-            raise store.CorruptFileError(f"cannot read {path} ({exc}); re-create it by resuming the run, "
-                                         f"{resume_command(path.parent.parent.parent).removeprefix('with ')}, or "
-                                         "delete the cell folder") from exc
+            raise store.CorruptFileError(f"cannot read {path} ({exc}); {redo}") from exc
+        if not isinstance(summary, dict) or not all(k in summary for k in CELL_SUMMARY_KEYS):
+            if find_run_folder(path.parent) is not None and path.parent.name.startswith("seed"):
+                raise store.CorruptFileError(f"{path} is not a cell summary (it lacks {', '.join(CELL_SUMMARY_KEYS)}); "
+                                             f"{redo}")
+            if skipped is not None:
+                skipped.append(path)
+            continue
+        cells.append((path.parent, summary))
     return cells
 
 
@@ -336,7 +350,12 @@ def collect_runs(run_dirs: list[Path], split_by: str | None = None, best_from_me
     for d in map(Path, run_dirs):
         if not d.exists():
             raise RunError(f"{d} does not exist")
-        cells = read_cells(d)
+        foreign: list[Path] = []
+        cells = read_cells(d, foreign)
+        if foreign:
+            out.notes.append(f"skipped {len(foreign)} {store.SUMMARY_FILE} file(s) that fednorm did not write (no "
+                             f"method, seed and clients): {', '.join(map(str, foreign[:3]))}"
+                             f"{', ...' if len(foreign) > 3 else ''}")
         if not cells:
             out.unfinished.append(d)
             continue

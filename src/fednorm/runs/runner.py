@@ -787,6 +787,9 @@ def start_run(
     again = f"`fednorm resume {run_dir}`" if engine == "in-process" else "a Flower resume (--resume)"
     if (run_dir / store.CONFIG_FILE).exists():
         raise RunError(f"{run_dir} already holds a run; continue it with {again} or choose another --out")
+    blocking = next((p for p in [run_dir, *run_dir.parents] if p.exists() and not p.is_dir()), None)
+    if blocking is not None:  # before the data are built: mkdir would fail only after that
+        raise RunError(f"cannot make the run folder {run_dir}: {blocking} is a file; choose another --out")
     resolved = None
     if clients is None:
         if needs_data_folder(config):
@@ -894,6 +897,8 @@ def with_device(config: ExperimentConfig, device: str | None) -> ExperimentConfi
 
 def load_run_config(run_dir: Path) -> ExperimentConfig:
     path = Path(run_dir) / store.CONFIG_FILE
+    if Path(run_dir).is_file() and find_run_folder(Path(run_dir).parent) is not None:
+        raise RunError(f"{run_dir} is a file of a run: give its run folder, {find_run_folder(Path(run_dir).parent)}")
     if not path.exists():
         raise RunError(f"{run_dir} is not a run folder (no {store.CONFIG_FILE}); start one with `fednorm run`")
     try:
@@ -1017,6 +1022,19 @@ def extend_rounds(run_dir: Path, config: ExperimentConfig, rounds: int) -> Exper
     return extended
 
 
+def unfinished_cells(run_dir: Path, config: ExperimentConfig) -> list[tuple[str, int]]:
+    """(label, seed) of the cells of ``run_dir`` that still have rounds to train: no summary, or one of fewer
+    rounds than the config asks (an extended run); a diverged cell has finished (its outcome is recorded)."""
+    todo = []
+    for method_cfg in config.methods:
+        for seed in config.seeds:
+            path = store.cell_dir(run_dir, method_cfg.display, seed) / store.SUMMARY_FILE
+            summary = json.loads(path.read_text()) if path.exists() else None
+            if summary is None or ("diverged" not in summary and summary["rounds"] < config.federation.rounds):
+                todo.append((method_cfg.display, seed))
+    return todo
+
+
 def execute(
     run_dir: Path,
     config: ExperimentConfig,
@@ -1025,10 +1043,12 @@ def execute(
     clients: list[ClientData] | None = None,
     build: EngineBuilder | None = None,
 ) -> list[CellResult]:
-    """Run every unfinished cell of ``run_dir``, then write the run's table and comparison plot."""
-    if clients is None:
+    """Run every unfinished cell of ``run_dir``, then write the run's table and comparison plot. A run whose
+    every cell finished builds no data (nothing trains): its table is written again from the summaries."""
+    if clients is None and unfinished_cells(run_dir, config):
         clients = build_federation_data(config, data_dir)
-    check_partitions(run_dir, clients)
+    if clients is not None:
+        check_partitions(run_dir, clients)
     results: list[CellResult] = []
     for method_cfg in config.methods:
         for seed in config.seeds:

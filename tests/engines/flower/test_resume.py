@@ -639,3 +639,28 @@ def test_the_flower_runtimes_refuse_an_in_process_run_before_they_start(tmp_path
                                            r"`fednorm resume .*run`"):
             launch()
     assert not (tmp_path / "work").exists() and not (tmp_path / "run" / "node_state").exists()
+
+
+def test_a_failed_simulation_is_a_message_with_its_cause_and_the_way_on(tmp_path, monkeypatch):
+    """Flower ends every failure with "An error was encountered. Ending simulation."; the user gets the chained
+    cause (Ray's node start-up timing out on a busy machine, say), whether anything is kept, and what to try."""
+    import flwr.simulation
+
+    from fednorm.engines.flower import runtime
+
+    def failing(*args, **kwargs):
+        try:
+            raise TimeoutError("node timed out during startup")
+        except TimeoutError as exc:
+            raise RuntimeError("An error was encountered. Ending simulation.") from exc
+
+    monkeypatch.setattr(flwr.simulation, "run_simulation", failing)
+    config = tiny_config("federation.rounds=1")
+    with pytest.raises(RunError, match=r"Flower's simulation stopped \(TimeoutError: node timed out during "
+                                       r"startup\); nothing was written\. .*fewer --nodes") as err:
+        runtime.simulate(config, tmp_path / "run")
+    assert "An error was encountered" not in str(err.value)
+    (tmp_path / "run").mkdir(exist_ok=True)
+    (tmp_path / "run" / "config.yaml").write_text("name: x\n")
+    message = runtime.simulation_failure(err.value.__cause__, tmp_path / "run")
+    assert f"what finished is kept in {tmp_path / 'run'}: `fednorm flower sim --out {tmp_path / 'run'} --resume`" in message

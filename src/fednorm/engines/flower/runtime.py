@@ -54,8 +54,22 @@ def simulate(config: ExperimentConfig, out: str | Path, data_dir: str | None = N
     # (federation.device auto); deployment SuperNodes use their machine's GPU
     backend = {"client_resources": {"num_cpus": cpus_per_node, "num_gpus": 0.0},
                "init_args": {"num_cpus": os.cpu_count() or 1, "include_dashboard": False}}
-    run_simulation(make_server_app(settings, progress), make_client_app(data_dir, str(out / NODE_STATE_FOLDER)),
-                   num_supernodes=count, backend_config=backend)
+    try:
+        run_simulation(make_server_app(settings, progress), make_client_app(data_dir, str(out / NODE_STATE_FOLDER)),
+                       num_supernodes=count, backend_config=backend)
+    except RuntimeError as exc:
+        # Flower ends every failure with "An error was encountered. Ending simulation."; the cause is chained
+        raise RunError(simulation_failure(exc, out)) from exc
+
+
+def simulation_failure(exc: BaseException, out: Path) -> str:
+    """What stopped a simulation, from Flower's chained exception, and what to do."""
+    cause = exc.__cause__ or exc.__context__ or exc
+    kept = (f"what finished is kept in {out}: `fednorm flower sim --out {out} --resume` goes on"
+            if (out / "config.yaml").is_file() else "nothing was written")
+    return (f"Flower's simulation stopped ({type(cause).__name__}: {cause}); {kept}. If Ray could not start its "
+            "nodes (e.g. 'timed out during startup' on a busy machine), use fewer --nodes or a smaller "
+            "--cpus-per-node; Ray's logs are under /tmp/ray/session_latest/logs")
 
 
 NODE_STATE_FOLDER = "node_state"
