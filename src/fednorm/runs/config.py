@@ -105,7 +105,8 @@ class DataConfig(_Strict):
     pool_size: int = Field(7438, ge=10)
     split_seed: int = Field(0, ge=0, lt=2**32, description="seed of the stratified split (fixed across runs, as FedBN)")
     rendered_size: int = Field(9298, ge=20, description="images rendered per rendered domain")
-    data_dir: str | None = Field(None, description="data folder; else --data-dir, FEDNORM_DATA, user cache")
+    data_dir: str | None = Field(None, description="data folder, used when --data-dir is not given (then, on resume, the "
+                                    "run's recorded folder, FEDNORM_DATA, the user cache)")
     truncate_train: bool | None = Field(
         None, description="medical domains: cut every site's training split to the smallest site's (first samples, "
         "as HarmoFL's code); null = the paper's choice per dataset (Camelyon17 and prostate yes, nuclei no)")
