@@ -563,3 +563,19 @@ def test_report_skips_summary_files_fednorm_did_not_write_and_names_a_damaged_ce
     (out / "fedavg" / "seed0" / "summary.json").write_text('{"note": "overwritten"}')
     result = runner.invoke(app, ["report", str(out)], terminal_width=400)
     assert result.exit_code == 2 and "is not a cell summary" in result.output and "fednorm resume" in result.output
+
+
+def test_ctrl_c_during_a_run_exits_130_and_says_how_to_go_on(tmp_path, monkeypatch):
+    from fednorm.cli import main as cli_main
+
+    out = tmp_path / "run"
+
+    def started_then_interrupted(config, run_dir, **kwargs):
+        run_dir.mkdir(parents=True)
+        (run_dir / "config.yaml").write_text("name: x\n")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_main, "start_run", started_then_interrupted)
+    result = runner.invoke(app, ["run", *SETS, "--out", str(out), "--quiet"], terminal_width=400)
+    assert result.exit_code == 130
+    assert f"stopped; `fednorm resume {out}` goes on from the last checkpoint" in result.output

@@ -280,3 +280,8 @@ def test_numbers_yaml_reads_as_strings_are_still_numbers_and_booleans_stay_boole
 def test_an_empty_key_is_named_as_such(override):
     with pytest.raises(ConfigError, match="has an empty key"):
         load_config("default", [override])
+
+
+def test_a_seed_given_twice_is_refused():
+    with pytest.raises(ConfigError, match=r"seeds must be distinct, got \[0, 1, 0\]"):
+        load_config("default", ["seeds=[0, 1, 0]"])

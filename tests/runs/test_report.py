@@ -42,3 +42,20 @@ def test_sample_std_uses_ddof_1_and_says_so_under_the_table():
     assert sample.text_rows()[2][2] == "80.00" and sample.to_dict()["methods"]["fedavg"]["mnist"]["std"] == 0.0
     assert "sample standard deviation" in sample.footnote() and "standard deviation" not in population.footnote()
     assert sample.to_dict()["std_ddof"] == 1 and population.to_dict()["std_ddof"] == 0
+
+
+def test_avg_is_over_the_internal_clients_and_an_external_client_is_a_column_of_its_own():
+    """UniFed's tables: Avg over the clients that trained; an external client is reported beside it, never in it."""
+    from fednorm.runs.report import build_table
+
+    def summary(seed, a, b, ext):
+        return {"method": "fedbn", "seed": seed, "clients": [
+            {"name": "a", "test": {"final_acc": a}}, {"name": "b", "test": {"final_acc": b}},
+            {"name": "ext", "external": True, "test": {"final_acc": ext}}]}
+
+    table = build_table([summary(0, 0.8, 0.6, 0.1), summary(1, 0.9, 0.7, 0.3)])
+    avg, avg_std, seeds = table.cell("fedbn", "Avg")
+    # seed means 0.70 and 0.80 (the external 0.1 and 0.3 left out): 75.00 (5.00); with them it would be 55.00
+    assert (round(avg, 6), round(avg_std, 6), seeds) == (75.0, 5.0, 2)
+    assert [round(v, 6) for v in table.cell("fedbn", "ext")[:2]] == [20.0, 10.0]
+    assert table.columns == ["a", "b", "ext"]

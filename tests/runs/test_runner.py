@@ -892,3 +892,40 @@ def test_unifed_ablation_settings_are_unifeds_whatever_the_runs_external_convent
     assert [name for name, _ in orders] == [f"order {k}" for k in ABLATION_ORDERS]
     assert [bn.shuffle_seed for _, bn in orders] == list(ABLATION_ORDERS)
     assert all((bn.batch_size, bn.history_weight) == (32, 0.9) for _, bn in orders)
+
+
+def test_ties_choose_the_earliest_round_for_a_client_and_for_the_mean():
+    """best_round of a client and the best-mean round (report --best, model selection) take the earliest of
+    equal scores: a later round that only equals the best is not a better model."""
+    from types import SimpleNamespace
+
+    from fednorm.runs.runner import best_mean_round, summarize_cell
+
+    def rec(rnd, client, acc, split="test"):
+        return {"round": rnd, "client": client, "split": split, "acc": acc, "loss": 0.0, "n": 10}
+
+    # the mean is 0.7 in both rounds; client a is 0.8 in both
+    records = [rec(1, "a", 0.8), rec(1, "b", 0.6), rec(2, "a", 0.8), rec(2, "b", 0.6),
+               rec(1, "a", 0.5, "val"), rec(1, "b", 0.7, "val"), rec(2, "a", 0.7, "val"), rec(2, "b", 0.5, "val")]
+    assert best_mean_round(records, "test") == 1 and best_mean_round(records, "val") == 1
+    clients = [SimpleNamespace(name=n, domain=n, origin="real", num_train=10, meta={}) for n in "ab"]
+    test = {c["name"]: c["test"] for c in summarize_cell(records, clients, "fedbn", 0, 2)["clients"]}
+    assert test["a"]["best_round"] == 1 and test["a"]["best_mean_round"] == 1 and test["a"]["selected_round"] == 1
+
+
+def test_a_client_whose_labels_changed_is_refused_on_resume_even_with_the_same_counts(tmp_path):
+    """partitions.json's sha256 covers the labels, not only the images: a relabelled client (same images, same
+    class counts, labels permuted) does not resume silently on other data."""
+    from fednorm.runs.runner import build_federation_data, check_partitions
+
+    config = tiny_config()
+    clients = build_federation_data(config, None)
+    (tmp_path / "run").mkdir()
+    check_partitions(tmp_path / "run", clients)
+    first = clients[0]
+    y = first.train.y.clone()
+    moved = torch.roll(y, 1)
+    assert not torch.equal(moved, y) and torch.equal(torch.bincount(moved), torch.bincount(y))  # same counts
+    first.train.y.copy_(moved)
+    with pytest.raises(RunError, match=f"client {first.name!r} no longer holds the same train data"):
+        check_partitions(tmp_path / "run", clients)

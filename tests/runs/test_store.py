@@ -75,3 +75,28 @@ def test_landscape_results_with_an_overflowed_loss_round_trip(tmp_path):
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_dumps_never_writes_a_bare_constant(value):
     assert strict_loads(store.dumps({"x": [value, {"y": value}]})) == {"x": [None, {"y": None}]}
+
+
+def test_a_write_that_fails_midway_leaves_the_old_file_and_no_temporary(tmp_path):
+    """A kill or an error during a write leaves the previous file whole (resume reads it), never half a file."""
+    path = tmp_path / "summary.json"
+    path.write_text("old")
+
+    def half_then_fail(fh):
+        fh.write(b"half")
+        raise ZeroDivisionError("stopped midway")
+
+    with pytest.raises(ZeroDivisionError):
+        store.atomic_write_bytes(path, half_then_fail)
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+    checkpoint = tmp_path / "checkpoint.pt"
+    store.save_checkpoint(checkpoint, {"round": 1})
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise ZeroDivisionError("cannot pickle")
+
+    with pytest.raises(ZeroDivisionError):
+        store.save_checkpoint(checkpoint, {"round": 2, "bad": Unpicklable()})
+    assert store.load_checkpoint(checkpoint)["round"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt", "summary.json"]
