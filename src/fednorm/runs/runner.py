@@ -1022,17 +1022,20 @@ def extend_rounds(run_dir: Path, config: ExperimentConfig, rounds: int) -> Exper
     return extended
 
 
+def finished_summary(cell: Path, config: ExperimentConfig) -> dict | None:
+    """The cell's summary if it has finished the config's rounds (a diverged cell has: its outcome is recorded),
+    else None: no summary, or one of fewer rounds than the run now has (an extended run goes on)."""
+    path = cell / store.SUMMARY_FILE
+    summary = json.loads(path.read_text()) if path.exists() else None
+    if summary is not None and "diverged" not in summary and summary["rounds"] < config.federation.rounds:
+        return None
+    return summary
+
+
 def unfinished_cells(run_dir: Path, config: ExperimentConfig) -> list[tuple[str, int]]:
-    """(label, seed) of the cells of ``run_dir`` that still have rounds to train: no summary, or one of fewer
-    rounds than the config asks (an extended run); a diverged cell has finished (its outcome is recorded)."""
-    todo = []
-    for method_cfg in config.methods:
-        for seed in config.seeds:
-            path = store.cell_dir(run_dir, method_cfg.display, seed) / store.SUMMARY_FILE
-            summary = json.loads(path.read_text()) if path.exists() else None
-            if summary is None or ("diverged" not in summary and summary["rounds"] < config.federation.rounds):
-                todo.append((method_cfg.display, seed))
-    return todo
+    """(label, seed) of the cells of ``run_dir`` that still have rounds to train (:func:`finished_summary`)."""
+    return [(m.display, seed) for m in config.methods for seed in config.seeds
+            if finished_summary(store.cell_dir(run_dir, m.display, seed), config) is None]
 
 
 def execute(
@@ -1053,10 +1056,7 @@ def execute(
     for method_cfg in config.methods:
         for seed in config.seeds:
             cell = store.cell_dir(run_dir, method_cfg.display, seed)
-            summary_path = cell / store.SUMMARY_FILE
-            summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-            if summary is not None and "diverged" not in summary and summary["rounds"] < config.federation.rounds:
-                summary = None  # finished at fewer rounds than the run now has (extend_rounds): go on
+            summary = finished_summary(cell, config)
             if summary is not None:
                 if progress:
                     progress(method_cfg.display, seed, config.federation.rounds, config.federation.rounds, {})
