@@ -44,7 +44,8 @@ def test_phases_add_up_to_the_round_and_the_reference_sees_the_same_batches():
     assert len(speed["per_round"]) == 2
     for r in speed["per_round"]:
         named = sum(r[f"{p}_s"] for p in ("training", "aggregation", "evaluation", "checkpointing"))
-        assert named + r["other_s"] == pytest.approx(r["round_s"], abs=1e-9)
+        # other_s is the round minus the named phases: it is never negative when the phases are timed apart (no
+        # phase counted twice, none timed outside the round)
         assert r["other_s"] >= -1e-9 and r["training_s"] + r["aggregation_s"] <= r["run_round_s"] + 1e-9
         # the timed phases cover the round: what is left is the engine's bookkeeping between them
         assert named >= r["round_s"] - max(0.25 * r["round_s"], 0.05)

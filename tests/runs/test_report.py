@@ -59,3 +59,29 @@ def test_avg_is_over_the_internal_clients_and_an_external_client_is_a_column_of_
     assert (round(avg, 6), round(avg_std, 6), seeds) == (75.0, 5.0, 2)
     assert [round(v, 6) for v in table.cell("fedbn", "ext")[:2]] == [20.0, 10.0]
     assert table.columns == ["a", "b", "ext"]
+
+
+def test_collected_runs_name_paper_rows_that_disagree_and_cells_with_fewer_rounds_than_asked(tmp_path):
+    """Two runs whose configs give other paper numbers for a method: the table shows the first run's, and says so.
+    A run whose config asks for more rounds than a cell finished (an extension under way) names that cell."""
+    import yaml
+
+    from fednorm.runs.report import collect_runs
+    from fednorm.runs.runner import start_run
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    start_run(tiny_config("methods=[fedavg]", "federation.rounds=1", "paper={fedavg: {Avg: 50.0}}"), first)
+    start_run(tiny_config("methods=[fedavg]", "seeds=[1]", "federation.rounds=1", "paper={fedavg: {Avg: 60.0}}"),
+              second)
+    out = collect_runs([first, second])
+    assert out.paper == {"fedavg": {"Avg": 50.0}}
+    assert [n for n in out.notes if "paper rows" in n] == [
+        f"the paper rows of fedavg differ between the runs' configs ({second}); the table shows the first"]
+    assert not any("finished fewer" in n for n in out.notes)
+    # the second run's config now asks for 3 rounds (as `fednorm resume --rounds 3` writes it before training)
+    saved = yaml.safe_load((second / "config.yaml").read_text())
+    saved["federation"]["rounds"] = 3
+    (second / "config.yaml").write_text(yaml.safe_dump(saved))
+    [short] = [n for n in collect_runs([first, second]).notes if "finished fewer" in n]
+    assert short == f"{second}: its config asks for 3 rounds; fedavg seed 1 (1 rounds) finished fewer " \
+                    "(an extension still going?)"

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from fednorm.runs import store
-from fednorm.runs.rescore import RESULT_FILE, TABLE_FILE, rescore_run
+from fednorm.runs.rescore import RESULT_FILE, TABLE_FILE, markdown_table, rescore_run
 from fednorm.runs.runner import RunError, build_engine, build_federation_data, load_run_config, start_run
 
 from ..conftest import tiny_run_config as tiny_config
@@ -47,3 +47,27 @@ def test_a_run_without_checkpoints_or_without_local_statistics_is_named(tmp_path
     (run / "fedavg" / "seed0" / store.CHECKPOINT_FILE).unlink()
     with pytest.raises(RunError, match="no cell has a checkpoint.pt"):
         rescore_run(run)
+
+
+def test_rescore_scores_only_the_internal_clients(tmp_path):
+    """An external client never trained and keeps no BN statistics of its own: it is not part of the rows."""
+    run = tmp_path / "run"
+    start_run(tiny_config("methods=[fedbn]", "federation.rounds=1", "external.domains=[rendered/street]"), run)
+    clients = build_federation_data(load_run_config(run), None)
+    internal = [c.name for c in clients if not c.meta.get("external")]
+    assert len(internal) < len(clients)  # the external client is in the federation's data
+    [row] = rescore_run(run)
+    assert list(row["stored"]) == internal and list(row["recomputed"]) == internal
+
+
+def test_table_average_and_gain_are_over_the_clients_of_each_row():
+    rows = [{"method": "fedbn", "seed": 0, "round": 5,
+             "stored": {"digits/a": 80.0, "digits/b": 60.0, "digits/c": 70.0},
+             "recomputed": {"digits/a": 90.0, "digits/b": 63.0, "digits/c": 72.0}},
+            {"method": "fedavg", "seed": 1, "round": 4,
+             "stored": {"digits/a": 50.0, "digits/b": 40.0, "digits/c": 30.0}, "recomputed": None}]
+    lines = markdown_table(rows).splitlines()
+    assert lines[0] == "| cell | round | BN statistics | a | b | c | Avg | gain |"
+    assert lines[2:] == ["| fedbn/seed0 | 5 | stored | 80.00 | 60.00 | 70.00 | 70.00 |  |",
+                         "| fedbn/seed0 | 5 | recomputed | 90.00 | 63.00 | 72.00 | 75.00 | +5.00 |",
+                         "| fedavg/seed1 | 4 | stored | 50.00 | 40.00 | 30.00 | 40.00 |  |"]

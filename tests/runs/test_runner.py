@@ -929,3 +929,50 @@ def test_a_client_whose_labels_changed_is_refused_on_resume_even_with_the_same_c
     first.train.y.copy_(moved)
     with pytest.raises(RunError, match=f"client {first.name!r} no longer holds the same train data"):
         check_partitions(tmp_path / "run", clients)
+
+
+def test_an_existing_runs_data_folder_is_the_option_then_the_config_then_the_recorded_then_the_environment(
+        tmp_path, monkeypatch):
+    """``fednorm resume / rescore --data-dir`` wins; else config.yaml's data.data_dir; else the folder the run
+    recorded in run.json when it started; else FEDNORM_DATA (then the cache)."""
+    from fednorm.runs.runner import RUN_INFO_FILE, run_data_dir
+
+    monkeypatch.setenv("FEDNORM_DATA", str(tmp_path / "env"))
+    files = tiny_config("data.domains=[mnist, rendered/street]")
+    run = tmp_path / "run"
+    run.mkdir()
+    assert run_data_dir(run, files) == tmp_path / "env"  # nothing recorded: the environment
+    (run / RUN_INFO_FILE).write_text(json.dumps({"data_dir": str(tmp_path / "recorded")}))
+    assert run_data_dir(run, files) == tmp_path / "recorded"
+    configured = tiny_config("data.domains=[mnist, rendered/street]", f"data.data_dir={tmp_path / 'config'}")
+    assert run_data_dir(run, configured) == tmp_path / "config"
+    assert run_data_dir(run, configured, str(tmp_path / "option")) == tmp_path / "option"
+    assert run_data_dir(run, tiny_config(), str(tmp_path / "option")) is None  # rendered domains read no files
+
+
+def test_a_resume_may_change_where_a_run_runs_and_its_texts_but_not_a_training_setting():
+    """config.yaml edits a resume accepts: the fingerprint leaves them out. channels_last changes the float rounding
+    of convolutions (a curve resumed in the other layout is of neither), so it stays a training setting."""
+    from fednorm.runs.runner import config_fingerprint
+
+    base = config_fingerprint(tiny_config())
+    for allowed in ["data.data_dir=/elsewhere", "federation.device=cpu", "federation.on_divergence=record",
+                    "federation.reuse_freed_memory=false", "name=renamed", "description=other",
+                    "paper={fedavg: {Avg: 1.0}}"]:
+        assert config_fingerprint(tiny_config(allowed)) == base, allowed
+    for training in ["federation.channels_last=true", "training.precision=bf16", "training.lr=0.5", "seeds=[3]"]:
+        changed = config_fingerprint(tiny_config(training))
+        assert {k for k in base if changed[k] != base[k]} == {training.split("=")[0]}, training
+
+
+def test_only_the_federations_clients_can_diverge_an_external_client_is_scored_not_trained():
+    from types import SimpleNamespace
+
+    from fednorm.runs.runner import DivergenceError, check_evaluations
+
+    def ev(client, loss):
+        return SimpleNamespace(client=client, split="test", loss=loss)
+
+    check_evaluations([ev("a", 0.5), ev("x", math.nan), ev("x", math.inf)], external_names={"x"})
+    with pytest.raises(DivergenceError, match=r"test loss on b is nan .*; 1 more client evaluations too"):
+        check_evaluations([ev("a", 0.5), ev("b", math.nan), ev("x", math.nan), ev("a", math.inf)], {"x"})

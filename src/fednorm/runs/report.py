@@ -414,8 +414,8 @@ def collect_runs(run_dirs: list[Path], split_by: str | None = None, best_from_me
             rows_of = [split_label(method, split_by, config)] if split_by else [method]
             for row in rows_of:
                 if row in out.paper and out.paper[row] != dict(values):
-                    out.notes.append(f"the paper rows of {row} differ between the runs' configs ({run_dir}: "
-                                     f"{source}); the table shows the first")
+                    out.notes.append(f"the paper rows of {row} differ between the runs' configs ({run_dir}"
+                                     f"{f': {source}' if source else ''}); the table shows the first")
                     continue
                 out.paper.setdefault(row, dict(values))
         if numbers and source and source not in out.paper_sources:
