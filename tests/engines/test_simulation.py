@@ -75,6 +75,20 @@ def test_round_averages_exactly_the_shared_state_and_keeps_the_rest_local(tiny_c
         assert not torch.allclose(stats[0], stats[2])
 
 
+def test_uniform_weighting_averages_clients_of_unequal_size_equally(tiny_clients):
+    """federation.weighting=uniform (FedBN's code): 1/K per client whatever its size (24, 16 and 20 samples here),
+    where FedAvg's default weighs by samples."""
+    eng = engine(tiny_clients, "fedbn", weighting="uniform")
+    expected = {c.name: trained_alone(eng, c) for c in tiny_clients}
+    eng.run_round()
+    weight = "features.0.weight"
+    torch.testing.assert_close(eng.global_state[weight],
+                               sum(expected[c.name][weight] for c in tiny_clients) / len(tiny_clients),
+                               rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(eng.global_state[weight], sample_weighted_mean(tiny_clients, expected, weight),
+                              rtol=1e-5, atol=1e-6)
+
+
 def test_fedbn_clients_evaluate_with_their_own_bn_and_fedavg_with_one_model(tiny_clients):
     eng = engine(tiny_clients, "fedbn")
     eng.run_round()
@@ -297,6 +311,9 @@ def test_client_sampling_is_seeded_per_round():
     assert picks == [[c.name for c in e2.sample_clients(r)] for r in range(5)]
     assert all(len(p) == 5 for p in picks)
     assert len({tuple(p) for p in picks}) > 1
+    # without replacement: no client trains twice in a round, even when nearly all of them are drawn
+    most = engine(clients, "fedavg", fraction=0.9)
+    assert all(len({c.name for c in most.sample_clients(r)}) == 18 for r in range(5))
 
 
 def test_sampled_count_is_c_times_k_rounded_half_up_and_at_least_one():

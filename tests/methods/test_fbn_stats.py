@@ -93,3 +93,21 @@ def test_fbn_input_checks_and_clamp():
         aggregate_fbn(torch.zeros(2, C), torch.zeros(3, C), 0.1, 4)
     _, v = aggregate_fbn(torch.zeros(2, C), -torch.ones(2, C), 0.1, 4)
     assert (v == 0).all()
+
+
+def test_weighted_fbn_without_the_previous_variance_is_the_pitfall_4_approximation():
+    """aggregate_fbn_weighted without previous_var: m = sum w_i m_i, v = sum w_i v_i + N/((N-1) beta) sum w_i
+    (m_i - m)^2, w_i = K_i / N; for equal counts it is (RM)/(RV) itself."""
+    from fednorm.methods.fbn_stats import aggregate_fbn_weighted
+
+    g = torch.Generator().manual_seed(3)
+    ms, vs = torch.randn(4, 5, generator=g, dtype=torch.float64), torch.rand(4, 5, generator=g, dtype=torch.float64)
+    equal = aggregate_fbn_weighted(ms, vs, 0.1, [8] * 4)
+    for got, want in zip(equal, aggregate_fbn(ms, vs, 0.1, 8)):
+        torch.testing.assert_close(got, want)
+    counts = torch.tensor([2.0, 8.0, 4.0, 6.0], dtype=torch.float64)
+    w = (counts / 20).unsqueeze(1)
+    m = (w * ms).sum(0)
+    got_m, got_v = aggregate_fbn_weighted(ms, vs, 0.1, counts.int().tolist())
+    torch.testing.assert_close(got_m, m)
+    torch.testing.assert_close(got_v, (w * vs).sum(0) + 20 / (19 * 0.1) * (w * (ms - m) ** 2).sum(0))

@@ -49,7 +49,8 @@ def test_fedavgm_momentum_over_two_rounds_and_fedavg_at_beta_zero():
 def test_adaptive_server_optimizers_follow_reddi_et_al(rule):
     spec = ServerSpec(rule, lr=0.1, momentum=0.9, beta2=0.99, tau=1e-3)
     x = torch.tensor([0.5, -0.5], dtype=D)
-    deltas = [torch.tensor([0.2, -0.4], dtype=D), torch.tensor([-0.1, 0.3], dtype=D)]
+    # the third, small Delta after large ones: v > Delta^2, where Yogi's sign(v - Delta^2) lowers v (Adam would not)
+    deltas = [torch.tensor([0.2, -0.4], dtype=D), torch.tensor([-0.1, 0.3], dtype=D), torch.tensor([0.01, -0.02], dtype=D)]
     m = torch.zeros(2, dtype=D)
     v = torch.full((2,), 1e-6, dtype=D)  # tau^2
     server = None
@@ -59,12 +60,14 @@ def test_adaptive_server_optimizers_follow_reddi_et_al(rule):
         if rule == "fedadam":
             v = 0.99 * v + 0.01 * delta**2
         elif rule == "fedyogi":
+            lowered = (v > delta**2).any()
             v = v - 0.01 * delta**2 * torch.sign(v - delta**2)
         else:
             v = v + delta**2
         x = x + 0.1 * m / (v.sqrt() + 1e-3)
         torch.testing.assert_close(new["w"], x)
         x = new["w"]
+    assert rule != "fedyogi" or lowered  # the last round took Yogi's own branch
 
 
 def test_fednova_equals_fedavg_with_equal_steps_and_normalizes_unequal_ones():
@@ -184,16 +187,47 @@ def test_sign_flip_on_parameters_moves_the_mean_and_not_the_median():
     torch.testing.assert_close(med["w"], torch.full((3,), 1.015, dtype=D))
 
 
-def _bn_round(spec, threat, means, vars_, fbn_beta=None, count=50):
+def _bn_round(spec, threat, means, vars_, fbn_beta=None, count=50, weights=None, counts=None):
     state = {"bn.running_mean": torch.zeros(2, dtype=D), "bn.running_var": torch.ones(2, dtype=D),
              "bn.weight": torch.ones(2, dtype=D)}
     server = ServerUpdate(spec, state, param_keys={"bn.weight"},
                           fbn_layers={"bn": fbn_beta} if fbn_beta else None, threat=threat)
     server.begin(state)
+    weights = weights or [1 / len(means)] * len(means)
+    counts = counts or [count] * len(means)
     for i, (m, v) in enumerate(zip(means, vars_)):
         server.add(ClientReply(f"c{i}", {"bn.running_mean": m, "bn.running_var": v, "bn.weight": torch.ones(2, dtype=D)},
-                               1 / len(means), 1, {"bn": count} if fbn_beta else {}))
+                               weights[i], 1, {"bn": counts[i]} if fbn_beta else {}))
     return server.finish()
+
+
+def test_attacked_naive_statistics_keep_the_clients_weights():
+    """Naive BN under sign flipping, no defense: the server's mean is the weighted mean of what it received (the
+    attacker's row being minus the honest clients' mean), with the clients' own weights, not 1/n."""
+    means = [torch.tensor([1.0, 2.0], dtype=D), torch.tensor([3.0, -1.0], dtype=D), torch.tensor([0.5, 0.0], dtype=D),
+             torch.tensor([9.0, 9.0], dtype=D)]
+    vars_ = [torch.tensor([1.0, 2.0], dtype=D) * (i + 1) for i in range(4)]
+    weights = [0.4, 0.1, 0.2, 0.3]
+    new = _bn_round(ServerSpec(), Threat("sign_flip", ("c3",)), means, vars_, weights=weights)
+    # SF sends minus the honest mean and the honest variances' mean (its own 4.0, 8.0 are not sent)
+    sent = means[:3] + [-torch.stack(means[:3]).mean(0)]
+    sent_vars = vars_[:3] + [torch.stack(vars_[:3]).mean(0)]
+    torch.testing.assert_close(new["bn.running_mean"], sum(w * m for w, m in zip(weights, sent)))
+    torch.testing.assert_close(new["bn.running_var"], sum(w * v for w, v in zip(weights, sent_vars)))
+
+
+def test_robust_fbn_with_unequal_batch_counts_uses_the_mean_count_in_its_unbiasing():
+    """Robust (RV) has no exact form for unequal K_i (a ragged last batch of local epochs): the server takes the
+    robust formula with the mean K rounded, here (10 + 20 + 30 + 40 + 52) / 5 = 30.4 -> 30, Kn = 150."""
+    means = [torch.tensor([0.1 * i, -0.3 * i], dtype=D) for i in range(5)]
+    vars_ = [torch.tensor([1.0 + 0.2 * i, 2.0 - 0.1 * i], dtype=D) for i in range(5)]
+    new = _bn_round(ServerSpec("median", robust_f=1), Threat(), means, vars_, fbn_beta=0.1,
+                    counts=[10, 20, 30, 40, 52])
+    median = lambda rows: rows.median(dim=0).values  # noqa: E731 - five rows: the third
+    m = median(torch.stack(means))
+    torch.testing.assert_close(new["bn.running_mean"], m)
+    torch.testing.assert_close(new["bn.running_var"], median(torch.stack(vars_))
+                               + 150 / (149 * 0.1) * median((torch.stack(means) - m) ** 2))
 
 
 def test_sign_flip_on_statistics_flips_the_mean_only_and_median_resists():
