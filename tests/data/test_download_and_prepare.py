@@ -19,7 +19,7 @@ from fednorm.data.cifar10 import CIFAR10_CLASSES, load_cifar10
 from fednorm.data.digits import load_digit_pool
 from fednorm.data.domain import DataError
 from fednorm.data.download import md5_of, sha256_of
-from fednorm.data.federation import known_domains, load_pool
+from fednorm.data.federation import known_domains, load_domain, load_pool
 from fednorm.data.prepare import RawFile
 
 from ..conftest import write_data_folder
@@ -341,6 +341,10 @@ def test_cifar10_prepare_and_load(tmp_path, no_official_md5):
     np.testing.assert_array_equal(x_tr.numpy(), expected)
     assert y_tr.tolist() == [v for b in train_batches for v in b[b"labels"]]
     assert y_te.tolist() == batches["test_batch"][b"labels"]
+    # the domains the CIFAR-10 presets federate: cifar10/train is the 50,000 training images, cifar10/test the 10,000
+    for domain, (x, y) in (("cifar10/train", (x_tr, y_tr)), ("cifar10/test", (x_te, y_te))):
+        pool = load_domain(domain, data_dir=data).pool
+        assert torch.equal(pool.x, x) and torch.equal(pool.y, y), domain
 
     _corrupt(path)
     with pytest.raises(DataError, match="Checksum mismatch") as info:

@@ -359,15 +359,31 @@ def _split(n: int, seed: int = 0) -> Split:
 
 
 def test_object_protocol_official_sizes():
+    """The datasets' own fractions at their real smallest train lists (125 images in Office-Caltech10's, 2,105 in
+    DomainNet's top-10 classes) give the paper's sizes."""
+    from fednorm.data.objects import DOMAINNET, OFFICE_CALTECH10
+
     train, test = _split(157), _split(40, 1)
-    # FedBN's Office-Caltech10: 62 training samples per client (paper Sec. 5.2).
-    [c] = fedbn_object_clients("dslr", train, test, min_train_len=125, train_fraction=0.5, val_fraction=0.4)
+    # FedBN's Office-Caltech10: 62 training samples per client (paper Sec. 5.2), validation the last int(0.4 * 125)
+    [c] = fedbn_object_clients("dslr", train, test, min_train_len=125, train_fraction=OFFICE_CALTECH10.train_fraction,
+                               val_fraction=OFFICE_CALTECH10.val_fraction)
     assert c.num_train == 62 and torch.equal(c.train.x, train.x[:62])
     assert len(c.val) == 50 and torch.equal(c.val.x, train.x[-50:]) and c.test is test
-    # DomainNet: 105 per client.
-    [d] = fedbn_object_clients("real", _split(3000), test, min_train_len=2105, train_fraction=0.05,
-                               val_fraction=0.05)
+    # DomainNet: 105 per client, and as many for validation.
+    [d] = fedbn_object_clients("real", _split(3000), test, min_train_len=2105, train_fraction=DOMAINNET.train_fraction,
+                               val_fraction=DOMAINNET.val_fraction)
     assert d.num_train == 105 and len(d.val) == 105
+
+
+def test_object_classes_are_fedbns_label_dicts_in_their_order():
+    """The label of each class is its position in FedBN's code's label_dict (fedbn.md 4.2-4.3): another order or
+    name would relabel or drop a class."""
+    from fednorm.data.objects import DOMAINNET, OFFICE_CALTECH10
+
+    assert OFFICE_CALTECH10.classes == ("back_pack", "bike", "calculator", "headphones", "keyboard",
+                                        "laptop_computer", "monitor", "mouse", "mug", "projector")
+    assert DOMAINNET.classes == ("bird", "feather", "headphones", "ice_cream", "teapot", "tiger", "whale", "windmill",
+                                 "wine_glass", "zebra")
 
 
 def test_object_protocol_partitions_and_even():

@@ -117,6 +117,14 @@ def test_label_skew_clients_split_the_training_pool_and_share_the_test_split():
     assert sum(c.num_train for c in external) == 500 and external[0].test is test
     with pytest.raises(ValueError, match="label-skew scheme"):
         label_skew_clients("d", x, y, scheme="shards", num_clients=2)
+    # pool_size: the first pool_size images of the stratified training split are partitioned, no other
+    from fednorm.data.protocol import pool_split
+
+    train_idx, _ = pool_split(y, 0, None)
+    small = label_skew_clients("d", x, y, scheme="iid", num_clients=4, pool_size=200, seed=0)
+    given = {bytes(img.numpy()) for c in small for img in c.train.x}
+    assert len(given) == sum(c.num_train for c in small) == 200
+    assert given == {bytes(img.numpy()) for img in x[train_idx[:200]]}
 
 
 def test_a_domains_evaluation_client_validates_on_every_clients_validation_split():

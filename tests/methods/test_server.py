@@ -216,6 +216,22 @@ def test_attacked_naive_statistics_keep_the_clients_weights():
     torch.testing.assert_close(new["bn.running_var"], sum(w * v for w, v in zip(weights, sent_vars)))
 
 
+@pytest.mark.parametrize("spec, threat", [(ServerSpec(), Threat("sign_flip", ("c2",))),
+                                          (ServerSpec("median", robust_f=1), Threat())])
+def test_batch_counters_take_the_largest_under_an_attack_or_a_robust_rule(spec, threat):
+    """num_batches_tracked is an integer counter, never averaged, attacked or robustly reduced: the largest
+    client's count, as on the plain path."""
+    state = {"bn.running_mean": torch.zeros(2, dtype=D), "bn.running_var": torch.ones(2, dtype=D),
+             "bn.num_batches_tracked": torch.tensor(0), "w": torch.zeros(2, dtype=D)}
+    server = ServerUpdate(spec, state, param_keys={"w"}, threat=threat)
+    server.begin(state)
+    for i, count in enumerate([3, 7, 5]):
+        server.add(ClientReply(f"c{i}", {**{k: v + i for k, v in state.items() if v.is_floating_point()},
+                                         "bn.num_batches_tracked": torch.tensor(count)}, 1 / 3, 1))
+    new = server.finish()
+    assert new["bn.num_batches_tracked"].dtype == torch.long and int(new["bn.num_batches_tracked"]) == 7
+
+
 def test_robust_fbn_with_unequal_batch_counts_uses_the_mean_count_in_its_unbiasing():
     """Robust (RV) has no exact form for unequal K_i (a ragged last batch of local epochs): the server takes the
     robust formula with the mean K rounded, here (10 + 20 + 30 + 40 + 52) / 5 = 30.4 -> 30, Kn = 150."""

@@ -24,6 +24,35 @@ def test_fedbn_table3_architecture():
     assert [type(m) for m in model.features] == block + pool + block + pool + block
     assert [type(m) for m in model.classifier] == [nn.Linear, nn.BatchNorm1d, nn.ReLU] * 2 + [nn.Linear]
     assert model(torch.zeros(2, 3, 28, 28)).shape == (2, 10)
+    # every conv and FC keeps PyTorch's default bias (FedBN's code): 3*64*25+64 + 64*64*25+64 + 64*128*25+128 conv
+    # + 6272*2048+2048 + 2048*512+512 + 512*10+10 FC + 2 x (64+64+128+2048+512) BN affine = 14,219,210
+    assert all(m.bias is not None for m in layers(model, (nn.Conv2d, nn.Linear)))
+    assert sum(p.numel() for p in model.parameters()) == 14_219_210
+
+
+def test_fedwon_digit_cnn_keeps_the_conv_bias_and_adds_a_gain_per_channel():
+    """FedWon Listing 1: WSConv keeps bias=True and a learnable gain per output channel; no normalization layer:
+    the BN model's 14,219,210 less its 5,632 BN affine values, plus 64+64+128 gains = 14,213,834."""
+    model = build_model("digit_cnn", norm="ws", classifier="fedwon")
+    assert all(m.bias is not None for m in layers(model, (nn.Conv2d, nn.Linear)))
+    assert sum(p.numel() for p in model.parameters()) == 14_219_210 - 5_632 + 256 == 14_213_834
+
+
+def test_fedbn_abide_mlp_has_hidden_layers_of_16_with_bn_after_the_first_two():
+    """FedBN Sec. 5.2: three FC layers, hidden 16, two BN layers after the first two (ReLU after each BN)."""
+    from fednorm.models.mlp import MLP
+
+    model = MLP(num_classes=2, in_features=5995)
+    assert [type(m) for m in model.layers] == [nn.Linear, nn.BatchNorm1d, nn.ReLU] * 2 + [nn.Linear]
+    assert [(f.in_features, f.out_features) for f in layers(model, nn.Linear)] == [(5995, 16), (16, 16), (16, 2)]
+    assert sum(p.numel() for p in model.parameters()) == 5995 * 16 + 16 + 16 * 16 + 16 + 16 * 2 + 2 + 2 * (16 + 16)
+
+
+def test_batchnorm_is_pytorchs_default_as_in_the_papers_code():
+    """eps 1e-5, momentum 0.1, affine, running statistics tracked (FedBN's and FBN's code use nn.BatchNorm as is)."""
+    for spatial, kind in ((True, nn.BatchNorm2d), (False, nn.BatchNorm1d)):
+        bn = make_norm("bn", 8, spatial=spatial)
+        assert type(bn) is kind and (bn.eps, bn.momentum, bn.affine, bn.track_running_stats) == (1e-5, 0.1, True, True)
 
 
 def test_fedwon_classifier_has_dropout_and_no_norm():
