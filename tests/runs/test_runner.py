@@ -112,6 +112,31 @@ def test_resume_drops_metrics_written_after_the_last_checkpoint(tmp_path):
     assert (cell / "metrics.jsonl").read_text() == (tmp_path / "straight" / "fedbn" / "seed0" / "metrics.jsonl").read_text()
 
 
+def test_a_cell_whose_checkpoint_is_gone_trains_again_and_keeps_its_earlier_metrics_aside(tmp_path):
+    # a folder copied or cloned without its *.pt files: the unfinished cell cannot go on, but its metrics are results
+    cfg = tiny_config()
+    start_run(cfg, tmp_path / "straight")
+    with pytest.raises(Stop):
+        start_run(cfg, tmp_path / "stopped", progress=stop_after(3))
+    cell = tmp_path / "stopped" / "fedbn" / "seed0"
+    before = (cell / "metrics.jsonl").read_text()
+    assert max(r["round"] for r in store.read_metrics(cell / "metrics.jsonl")) == 3
+    (cell / "checkpoint.pt").unlink()
+    with pytest.warns(UserWarning, match=r"metrics up to round 3 but no checkpoint.pt.*metrics.no-checkpoint-1.jsonl"):
+        resume_run(tmp_path / "stopped")
+    assert (cell / "metrics.no-checkpoint-1.jsonl").read_text() == before
+    straight = (tmp_path / "straight" / "fedbn" / "seed0" / "metrics.jsonl").read_text()
+    assert (cell / "metrics.jsonl").read_text() == straight  # trained again from round 0, the same numbers
+    # a second loss keeps the first set-aside file and adds another; a finished cell is never retrained
+    (cell / "checkpoint.pt").unlink()
+    (cell / "summary.json").unlink()
+    with pytest.warns(UserWarning, match="metrics.no-checkpoint-2.jsonl"):
+        resume_run(tmp_path / "stopped")
+    assert (cell / "metrics.no-checkpoint-1.jsonl").read_text() == before
+    assert (cell / "metrics.no-checkpoint-2.jsonl").read_text() == straight
+    assert not (tmp_path / "stopped" / "fedavg" / "seed0" / "metrics.no-checkpoint-1.jsonl").exists()
+
+
 def test_a_folder_being_run_refuses_a_second_resume_and_frees_when_done(tmp_path):
     """Two processes resuming one folder would interleave checkpoints and metrics: the second is refused, naming
     the holder, and nothing of the folder changes; the lock goes with the first."""

@@ -250,6 +250,24 @@ def evaluation_clients(config: ExperimentConfig, clients: list[ClientData],
     return clients
 
 
+def set_aside_metrics_without_checkpoint(metrics_path: Path) -> Path | None:
+    """A cell with metrics but no checkpoint (the checkpoint was deleted, or the folder was copied or cloned without
+    its ``*.pt`` files) trains again from round 0. Its earlier metrics cannot be continued, but they are results: move
+    them to ``metrics.no-checkpoint-<k>.jsonl`` beside it (never overwritten) and say so, instead of truncating them
+    away. Returns the new path, or None when there was nothing to keep."""
+    records = store.read_metrics(metrics_path)
+    if not records:
+        return None
+    k = 1
+    while (kept := metrics_path.with_name(f"metrics.no-checkpoint-{k}.jsonl")).exists():
+        k += 1
+    metrics_path.rename(kept)
+    warnings.warn(f"{metrics_path.parent} has metrics up to round {max(r['round'] for r in records)} but no "
+                  f"{store.CHECKPOINT_FILE}, so it trains again from round 0; its earlier metrics are kept in "
+                  f"{kept.name}", stacklevel=3)
+    return kept
+
+
 def run_cell(
     config: ExperimentConfig,
     method_cfg: MethodConfig,
@@ -274,6 +292,8 @@ def run_cell(
             raise RunError(f"{checkpoint_path} does not fit the model and method this run's config builds ({exc}). "
                            "The config.yaml or the code changed since the checkpoint was written: restore them, or "
                            "delete the checkpoint to restart this cell from round 0") from exc
+    else:
+        set_aside_metrics_without_checkpoint(metrics_path)
     store.truncate_metrics(metrics_path, engine.round)
     selection = ModelSelection(cell / store.SELECTED_FILE, store.read_metrics(metrics_path),
                                keep=config.federation.keep_selected_model)

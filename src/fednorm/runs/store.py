@@ -14,6 +14,8 @@ RUN_DIR/
     selected.pt               engine state at the round of the best mean validation score (runs with validation
                               data; written with the checkpoint, so both belong to one history)
     summary.json              final and best per-client metrics (written when the cell ends)
+    metrics.no-checkpoint-<k>.jsonl  metrics of a history whose checkpoint was gone on resume (the cell trained
+                              again from round 0; kept, never overwritten)
     accuracy.png, loss.png    per-client curves
 ```
 """
