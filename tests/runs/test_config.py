@@ -59,8 +59,15 @@ def test_bad_config_gets_an_error_naming_the_key(override, message):
 def test_missing_config_file_and_unknown_preset(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "nope.yaml"))
-    with pytest.raises(ConfigError, match="neither a config file nor a preset"):
+    with pytest.raises(ConfigError, match="neither a config file nor a preset") as err:
         load_config("nonexistent_preset")
+    assert "did you mean" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"'fbn_mnistmm' is neither .* did you mean 'fbn_mnistm'\? presets: default,"):
+        load_config("fbn_mnistmm")
+    with pytest.raises(ConfigError, match=r"did you mean 'fedwon_small_batch_b4' or 'fedwon_small_batch_b1' or"):
+        load_config("fedwon_small_batch_b2")
+    with pytest.raises(ConfigError, match=r"'FBN_mnistm' is neither .* did you mean 'fbn_mnistm'\?"):
+        load_config("FBN_mnistm")
     bad = tmp_path / "bad.yaml"
     bad.write_text("seeds: [0\n")
     with pytest.raises(ConfigError, match="not valid YAML"):

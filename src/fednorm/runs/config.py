@@ -6,6 +6,7 @@ rounds). Unknown keys are rejected; every error names the offending key.
 
 from __future__ import annotations
 
+import difflib
 import warnings
 from importlib import resources
 from pathlib import Path
@@ -973,8 +974,10 @@ def _read_one(source: str | Path | None) -> tuple[dict, Path | None]:
     else:
         name = str(source)
         if name not in preset_names():
+            close = difflib.get_close_matches(name.lower(), preset_names(), n=3, cutoff=0.75)
+            hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
             raise ConfigError(
-                f"{name!r} is neither a config file nor a preset; presets: {', '.join(preset_names())}"
+                f"{name!r} is neither a config file nor a preset; {hint}presets: {', '.join(preset_names())}"
             )
         text = (resources.files("fednorm.runs") / "presets" / f"{name}.yaml").read_text()
     try:
@@ -1016,7 +1019,6 @@ def apply_overrides(document: dict, overrides: list[str]) -> dict:
 
 def _close_keys(loc: tuple) -> list[str]:
     """Known keys spelled like the unknown key at ``loc`` (e.g. federation.rouns -> federation.rounds)."""
-    import difflib
 
     model: Any = ExperimentConfig
     for part in loc[:-1]:
