@@ -299,6 +299,12 @@ def test_a_divergence_names_the_way_out_that_works_not_a_resume_that_diverges_ag
     assert (tmp_path / "new" / "fedavg" / "seed0" / "summary.json").exists()
     again = runner.invoke(app, ["resume", str(out), "--quiet"], terminal_width=400)
     assert again.exit_code == 2 and "diverged in round" in again.output
+    # the runner's own way on (record the divergence as the cell's outcome) reaches it through the CLI and finishes
+    assert f"fednorm resume {out} --on-divergence record" in " ".join(again.output.split())
+    recorded = runner.invoke(app, ["resume", str(out), "--on-divergence", "record", "--quiet"], terminal_width=400)
+    assert recorded.exit_code == 0, recorded.output
+    assert "diverged" in json.loads((out / "fedavg" / "seed0" / "summary.json").read_text())
+    assert "on_divergence: record" in (out / "config.yaml").read_text()
 
 
 def test_resume_of_a_non_run_folder_fails_clearly(tmp_path):
@@ -563,6 +569,49 @@ def test_report_skips_summary_files_fednorm_did_not_write_and_names_a_damaged_ce
     (out / "fedavg" / "seed0" / "summary.json").write_text('{"note": "overwritten"}')
     result = runner.invoke(app, ["report", str(out)], terminal_width=400)
     assert result.exit_code == 2 and "is not a cell summary" in result.output and "fednorm resume" in result.output
+
+
+def test_a_failure_after_the_run_folder_is_written_says_what_is_kept_and_how_to_go_on(tmp_path, monkeypatch):
+    from fednorm.cli import main as cli_main
+    from fednorm.data.domain import DataError
+
+    def failing(write):
+        def start(config, run_dir, **kwargs):
+            if write:
+                run_dir.mkdir(parents=True)
+                (run_dir / "config.yaml").write_text("name: x\n")
+            raise DataError("the data folder moved")
+        return start
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(cli_main, "start_run", failing(write=False))
+    nothing = runner.invoke(app, ["run", *SETS, "--out", str(out), "--quiet"], terminal_width=400)
+    assert nothing.exit_code == 2 and "error: the data folder moved" in nothing.output
+    assert "resume" not in nothing.output  # no folder to resume: no hint that points at one
+    monkeypatch.setattr(cli_main, "start_run", failing(write=True))
+    kept = runner.invoke(app, ["run", *SETS, "--out", str(out), "--quiet"], terminal_width=400)
+    assert kept.exit_code == 2
+    assert f"what finished is kept in {out}; once fixed, `fednorm resume {out}` goes on" in kept.output
+    assert "diverge" not in kept.output
+
+
+def test_ctrl_c_before_anything_is_written_or_during_a_resume_exits_130(tmp_path, monkeypatch):
+    from fednorm.cli import main as cli_main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_main, "start_run", interrupted)
+    early = runner.invoke(app, ["run", *SETS, "--out", str(tmp_path / "none"), "--quiet"], terminal_width=400)
+    assert early.exit_code == 130 and "stopped" in early.output and "resume" not in early.output
+    out = tmp_path / "run"
+    monkeypatch.undo()
+    assert runner.invoke(app, ["run", *SETS, "--set", "federation.rounds=1", "--set", "methods=[fedavg]",
+                               "--out", str(out), "--quiet"]).exit_code == 0
+    monkeypatch.setattr(cli_main, "resume_run", interrupted)
+    result = runner.invoke(app, ["resume", str(out), "--rounds", "2", "--quiet"], terminal_width=400)
+    assert result.exit_code == 130
+    assert f"stopped; `fednorm resume {out}` goes on from the last checkpoint" in result.output
 
 
 def test_ctrl_c_during_a_run_exits_130_and_says_how_to_go_on(tmp_path, monkeypatch):

@@ -195,6 +195,20 @@ def test_unknown_method_and_bad_counts_fail_clearly(tmp_path):
                                       "--memory-domains", ",".join(TWO_DOMAINS), "--out", str(tmp_path / "b.json")])
     assert result.exit_code == 2 and "split evenly" in result.output
     assert not (tmp_path / "b.json").exists()
+    for counts, message in (("10,x", "comma-separated integers"), ("0", "at least one positive count"),
+                            (",", "at least one positive count")):
+        result = CliRunner().invoke(app, ["bench", *SETS, "--mode", "memory", "--clients", counts,
+                                          "--out", str(tmp_path / "b.json")], terminal_width=400)
+        assert result.exit_code == 2 and message in result.output, (counts, result.output)
+        assert not (tmp_path / "b.json").exists()
+
+
+def test_a_config_error_keeps_its_bracketed_advice(tmp_path):
+    # the message is printed as text: "[global]" is not read as a style tag and dropped
+    result = CliRunner().invoke(app, ["bench", "unifed_camelyon17", "--set", "model.bn_mode=batch",
+                                      "--out", str(tmp_path / "b.json")], terminal_width=400)
+    assert result.exit_code == 2
+    assert "use external.modes: [global], or model.bn_mode: running" in " ".join(result.output.split())
 
 
 def test_matmul_peak_shrinks_to_its_time_budget():

@@ -15,6 +15,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 console = Console() if sys.stdout.isatty() else Console(width=200)
@@ -24,7 +25,8 @@ _DEFAULT_DOMAINS = "rendered/print,rendered/textured,rendered/neon,rendered/stre
 
 
 def _fail(exc: Exception) -> None:
-    err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True, markup=True)
+    # the message is plain text: escaped, so that a "[global]" in it is printed, not read as a style tag
+    err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True, markup=True)
     raise typer.Exit(code=2)
 
 

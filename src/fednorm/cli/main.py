@@ -62,8 +62,8 @@ def _fail(exc: Exception, run_dir: Path | None = None) -> None:
         if isinstance(exc, DivergenceError):
             # resume goes on with the run's own config: the same settings diverge again at the same round
             err_console.print(
-                f"what finished is kept in {run_dir}. `fednorm resume` goes on with the run's own config, so it "
-                f"would diverge again: for a lower learning rate (training.lr, or a method's own lr) start a new run "
+                f"what finished is kept in {run_dir}. A plain `fednorm resume` goes on with the run's own config, so "
+                f"it would diverge again: for a lower learning rate (training.lr, or a method's own lr) start a new run "
                 f"from that config, e.g. `fednorm run {run_dir / 'config.yaml'} --set training.lr=... --out NEW_DIR`",
                 highlight=False, soft_wrap=True)
         else:
@@ -509,21 +509,29 @@ def _flower_finish(run_dir: Path, cfg) -> None:
 
 
 def _flower_config(config: Optional[str], set_: list[str], out: Path, resume: bool):
-    """The experiment: with --resume and no config given, the one the run folder was started with."""
+    """The experiment: with --resume and no config given, the one the run folder was started with. Its methods
+    are checked here, before Ray or a SuperLink starts (a centralized reference needs every client's data in one
+    process: refused, where the server's refusal would only reach a log)."""
+    from ..engines.flower.node import check_flower_method
+
     if resume and config is None and not set_:
         if not (out / "config.yaml").is_file():
             raise ValueError(f"--resume without a config reads it from the run folder, but {out} has no config.yaml "
                              "on this machine (the run folder lives where the server runs: the SuperLink's machine "
                              "for `flower app`); run this there, or give the original config and --set values again")
-        return load_run_config(out)
-    return load_config(config, set_)
+        cfg = load_run_config(out)
+    else:
+        cfg = load_config(config, set_)
+    for method_cfg in cfg.methods:
+        check_flower_method(method_cfg)
+    return cfg
 
 
 _RESUME = typer.Option(False, "--resume", help="continue the stopped run in --out from its checkpoints (the config "
                        "is read from the run folder); methods with client state need nodes with a state-dir")
-_ROUND_TIMEOUT = typer.Option(600.0, "--round-timeout", help="seconds to wait for a round's replies before leaving "
+_ROUND_TIMEOUT = typer.Option(600.0, "--round-timeout", min=0.0, help="seconds to wait for a round's replies before leaving "
                               "the missing clients out (0: wait forever)")
-_NODE_WAIT = typer.Option(300.0, "--node-wait", help="seconds to wait at the start for SuperNodes holding every client")
+_NODE_WAIT = typer.Option(300.0, "--node-wait", min=0.0, help="seconds to wait at the start for SuperNodes holding every client")
 
 
 @flower_app.command("sim")
@@ -563,14 +571,8 @@ def flower_app_folder(
     runtime = _flower()
     try:
         cfg = _flower_config(config, set_, out, resume)
-        from ..engines.flower.node import check_flower_method
-
-        for method_cfg in cfg.methods:
-            check_flower_method(method_cfg)
-        if resume and (out / "config.yaml").is_file():  # the run folder is here: refuse another engine's run now
-            from ..runs.runner import check_engine
-
-            check_engine(out, "flower")
+        if (out / "config.yaml").is_file():  # the run folder is on this machine: refuse what the server would now
+            runtime.check_out(out.resolve(), resume)
         path = runtime.write_app(app_dir, cfg, out, _flower_options(round_timeout, node_wait), resume=resume)
     except (*_USER_ERRORS, ValueError) as exc:
         _fail(exc)

@@ -47,7 +47,7 @@ def simulate(config: ExperimentConfig, out: str | Path, data_dir: str | None = N
     from .app import make_client_app, make_server_app
 
     out = Path(out).resolve()
-    _check_out(out, resume)
+    check_out(out, resume)
     count = nodes or federation_size(config, data_dir)
     settings = ServerSettings(experiment_text(config), str(out), options, resume=resume)
     # no GPU share: Ray (current versions) then hides the GPUs from the nodes, which train on the CPU
@@ -75,7 +75,9 @@ def simulation_failure(exc: BaseException, out: Path) -> str:
 NODE_STATE_FOLDER = "node_state"
 
 
-def _check_out(out: Path, resume: bool) -> None:
+def check_out(out: Path, resume: bool) -> None:
+    """Refuse, before anything starts, a fresh run into a folder that holds one, a resume of a folder that holds
+    none, or a resume of another engine's run (``fednorm flower app`` checks the same when the folder is here)."""
     if resume and not (out / "config.yaml").exists():
         raise RunError(f"{out} holds no run to resume (no config.yaml)")
     if resume:  # before Ray or the SuperLink start: the server's own refusal would end up in a log
@@ -292,7 +294,7 @@ def run_local(config: ExperimentConfig, out: str | Path, workdir: str | Path, da
     """Run ``config`` on the deployment runtime on this machine: one SuperNode process per client, each keeping
     its client's state under ``workdir/node_state`` (so a stopped run resumes: ``resume``)."""
     out = Path(out).resolve()
-    _check_out(out, resume)
+    check_out(out, resume)
     workdir = Path(workdir)
     app = workdir / "app"
     write_app(app, config, out, options, resume=resume)
