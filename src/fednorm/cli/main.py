@@ -20,7 +20,8 @@ from ..data.domain import DataError
 from ..engines.device import DeviceError
 from ..methods.aggregation import DivergenceError, UpdateError
 from ..methods.presets import PRESETS
-from ..runs.config import ON_DIVERGENCE, ConfigError, ConfigWarning, load_config, preset_names
+from ..runs.config import (ON_DIVERGENCE, ConfigError, ConfigWarning, apply_overrides, load_config, preset_names,
+                           validate)
 from ..runs.store import CorruptFileError
 from ..runs.report import ResultsTable, build_table, collect_runs, no_finished_cell, read_summaries
 from ..runs.runner import (RunError, load_run_config, resolved_hardware, resume_run, start_run,
@@ -509,17 +510,20 @@ def _flower_finish(run_dir: Path, cfg) -> None:
 
 
 def _flower_config(config: Optional[str], set_: list[str], out: Path, resume: bool):
-    """The experiment: with --resume and no config given, the one the run folder was started with. Its methods
+    """The experiment: with --resume and no config given, the one the run folder was started with (with the --set
+    values on it: the server then names any edit a resume refuses, rather than comparing the default preset). Its methods
     are checked here, before Ray or a SuperLink starts (a centralized reference needs every client's data in one
     process: refused, where the server's refusal would only reach a log)."""
     from ..engines.flower.node import check_flower_method
 
-    if resume and config is None and not set_:
+    if resume and config is None:
         if not (out / "config.yaml").is_file():
             raise ValueError(f"--resume without a config reads it from the run folder, but {out} has no config.yaml "
                              "on this machine (the run folder lives where the server runs: the SuperLink's machine "
                              "for `flower app`); run this there, or give the original config and --set values again")
         cfg = load_run_config(out)
+        if set_:
+            cfg = validate(apply_overrides(cfg.model_dump(mode="json"), set_), source=f"config {out / 'config.yaml'}")
     else:
         cfg = load_config(config, set_)
     for method_cfg in cfg.methods:

@@ -98,3 +98,21 @@ def test_flower_clients_prints_the_node_config_of_the_node_that_holds_each_clien
         held = NodeSpec.from_node_config({"client-index": k}).clients(config)
         assert list(held) == [k] and held[k].name == name
         assert role == ("external" if name == "rendered/street" else "trains")
+
+
+def test_a_resume_with_set_values_and_no_config_edits_the_run_folders_config_not_the_default_preset(
+        tmp_path, monkeypatch):
+    from fednorm.runs.runner import load_run_config, start_run
+
+    run = tmp_path / "run"
+    start_run(load_config("default", [*TINY_RUN, "methods=[fedbn]", "federation.rounds=1"]), run)
+    seen = []
+    monkeypatch.setattr(runtime, "simulate", lambda config, out, **kwargs: seen.append((config, kwargs["resume"])))
+    result, text = invoke("flower", "sim", "--out", run, "--resume", "--set", "federation.round_timeout_note=x")
+    assert result.exit_code == 2 and f"invalid config {run / 'config.yaml'}" in text and "unknown key" in text
+    result, text = invoke("flower", "sim", "--out", run, "--resume", "--set", "federation.eval_every=1")
+    assert result.exit_code == 0, text
+    (config, resume), = seen
+    expected = load_run_config(run).model_dump()
+    expected["federation"]["eval_every"] = 1
+    assert resume and config.model_dump() == expected  # the run's config (its domains, fedbn, 1 round) edited
