@@ -18,9 +18,11 @@ from fednorm.engines.flower.node import experiment_text
 from fednorm.engines.flower.server import PARTICIPATION_FILE, FlowerOptions, ServerSettings, run_experiment
 from fednorm.methods.aggregation import UpdateError
 from fednorm.methods.server import ClientReply, ServerSpec, ServerUpdate
+from fednorm.models.registry import build_model
 from fednorm.runs import store
 from fednorm.runs.runner import RunError
 
+from ...conftest import batchnorm_keys
 from .conftest import tiny_config
 from .fakegrid import FakeGrid, Late
 
@@ -306,3 +308,56 @@ def test_a_supernode_restarted_under_its_id_is_asked_again(tmp_path, unavailable
     assert [r["clients_used"] for r in rounds] == [3, 2, 2, 3]
     assert ("node unavailable" if unavailable_errors else "no reply within") in rounds[1]["dropped"]["rendered/synth"]
 
+
+
+def test_a_misconfigured_deployment_is_named_at_the_roster_before_anything_trains(tmp_path):
+    """Two SuperNodes given the same client, or nodes that count a different federation (another fednorm
+    version, other data), stop the run at the start with what to fix; nothing is trained or written."""
+    config = tiny_config("federation.rounds=1")
+
+    def start(nodes, tamper=None, out="run"):
+        grid = FakeGrid(make_client_app(), nodes, tamper)
+        run_experiment(grid, ServerSettings(experiment_text(config), str(tmp_path / out),
+                                            FlowerOptions(round_timeout=2.0, node_wait=1)))
+        return grid
+
+    with pytest.raises(RunError, match=r"client 'rendered/print' is held by two nodes \(10[01] and 10[01]\); give "
+                                       r"each SuperNode its own clients in --node-config"):
+        start([{"client-index": 0}, {"client-index": "0,1"}])
+
+    def other_total(node, message, reply):
+        if node == 101 and m.ROSTER in reply.content.config_records:
+            roster = reply.content.config_records[m.ROSTER]
+            roster["total"] = [3 for _ in roster["total"]]
+        return reply
+
+    with pytest.raises(RunError, match=r"node 10[01] counts [23] clients in the federation, another node [23]: do the "
+                                       r"nodes run the same fednorm version on the same data\?"):
+        start([{"client-index": 0}, {"client-index": 1}], other_total, out="run2")
+    assert not any((tmp_path / out / "fedbn" / "seed0" / store.METRICS_FILE).exists() for out in ("run", "run2"))
+
+
+def test_a_node_refuses_global_entries_that_would_overwrite_its_local_state(tmp_path):
+    """FedBN's BN entries stay on the client: a server that sends one (another experiment or fednorm version) is
+    refused by the node, which keeps its own, and the client is left out of that round with the node's reason."""
+    config = tiny_config(THREE, "federation.rounds=2", "federation.eval_every=2")
+    local_key = sorted(k for k in batchnorm_keys(build_model(config.model.name, num_classes=10))
+                       if k.endswith("running_mean"))[0]
+
+    class WrongServer(FakeGrid):
+        def push_messages(self, messages):
+            for msg in messages:
+                if msg.metadata.dst_node_id == 102 and msg.metadata.group_id == "train-0":
+                    shared = m.from_arrays(msg.content, m.GLOBAL)
+                    shared[local_key] = torch.zeros(4)
+                    msg.content[m.GLOBAL] = m.to_arrays(shared)
+            return super().push_messages(messages)
+
+    grid = WrongServer(make_client_app(), [{"client-index": i} for i in range(3)])
+    out = tmp_path / "run"
+    run_experiment(grid, ServerSettings(experiment_text(config), str(out), FlowerOptions(round_timeout=2.0,
+                                                                                         node_wait=5)))
+    rounds = participation(out / "fedbn" / "seed0")
+    assert [r["clients_used"] for r in rounds] == [2, 3]
+    assert (f"the server sent the wrong global entries: unexpected ['{local_key}'], missing []"
+            in rounds[0]["dropped"]["rendered/synth"])
