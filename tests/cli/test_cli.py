@@ -628,3 +628,15 @@ def test_ctrl_c_during_a_run_exits_130_and_says_how_to_go_on(tmp_path, monkeypat
     result = runner.invoke(app, ["run", *SETS, "--out", str(out), "--quiet"], terminal_width=400)
     assert result.exit_code == 130
     assert f"stopped; `fednorm resume {out}` goes on from the last checkpoint" in result.output
+
+
+def test_flower_commands_without_the_flower_extra_say_how_to_install_it(tmp_path, monkeypatch):
+    # as on a machine with `pip install fednorm` only: importing the Flower engine fails
+    monkeypatch.setitem(sys.modules, "fednorm.engines.flower", None)
+    monkeypatch.setitem(sys.modules, "fednorm.engines.flower.runtime", None)
+    for command in (["sim", *SETS, "--out", str(tmp_path / "run")], ["clients", *SETS]):
+        result = runner.invoke(app, ["flower", *command], terminal_width=400)
+        output = " ".join(result.output.split())
+        assert result.exit_code == 2 and "Flower is not installed" in output, output
+        assert "install it with: pip install 'fednorm[flower]'" in output
+    assert not (tmp_path / "run").exists()

@@ -132,6 +132,11 @@ def test_a_node_that_dies_is_left_out_and_the_run_finishes(tmp_path, caplog):
     tests = [r for r in store.read_metrics(cell / "metrics.jsonl") if r["split"] == "test"]
     assert {r["client"] for r in tests if r["round"] == 3} == {"rendered/print", "rendered/neon"}
     assert json.loads((cell / "summary.json").read_text())["rounds"] == 3
+    # flower.json: where each client ran, which node was lost, and the server's waits
+    info = json.loads((cell.parent.parent / "flower.json").read_text())
+    assert info["engine"] == "flower" and info["nodes"] == [100, 101, 102] and info["lost_nodes"] == [102]
+    assert info["clients"] == {"rendered/print": 100, "rendered/neon": 101, "rendered/synth": 102}
+    assert info["options"] == {"round_timeout": 0.5, "node_wait": 5}
 
 
 def test_a_slow_node_is_left_out_of_its_round_and_takes_part_again(tmp_path, caplog):
