@@ -366,3 +366,36 @@ def test_a_node_refuses_global_entries_that_would_overwrite_its_local_state(tmp_
     assert [r["clients_used"] for r in rounds] == [2, 3]
     assert (f"the server sent the wrong global entries: unexpected ['{local_key}'], missing []"
             in rounds[0]["dropped"]["rendered/synth"])
+
+
+def test_a_node_gets_one_message_per_wave_and_none_after_it_went_silent():
+    """exchange: a node holding two clients runs them one after the other (one Context.state), and a node that
+    left a wave unanswered is not sent its next client's message (it would cost another round timeout)."""
+    from flwr.app import RecordDict
+
+    from fednorm.engines.flower.server import exchange
+
+    class Grid:
+        def __init__(self):
+            self.waves, self.replies = [], {}
+
+        def push_messages(self, messages):
+            self.waves.append(sorted(msg.metadata.dst_node_id for msg in messages))
+            for msg in messages:
+                msg.metadata.__dict__["_message_id"] = msg.object_id
+                if msg.metadata.dst_node_id != 2:  # node 2 never answers
+                    self.replies[msg.metadata.message_id] = Message(RecordDict(), reply_to=msg)
+            return [msg.metadata.message_id for msg in messages]
+
+        def pull_messages(self, ids):
+            return [self.replies.pop(i) for i in ids if i in self.replies]
+
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # as a ServerApp's run sets them
+    grid = Grid()
+    items = [("a", 1, RecordDict()), ("c", 2, RecordDict()), ("b", 1, RecordDict()), ("d", 2, RecordDict())]
+    out, unanswered = exchange(grid, items, "train", FlowerOptions(round_timeout=0.05, poll_interval=0.01))
+    assert grid.waves == [[1, 2], [1]]
+    assert set(out) == {"a", "b"}
+    assert set(unanswered) == {"c", "d"} and unanswered["c"] and unanswered["d"] == ""  # d was never sent
