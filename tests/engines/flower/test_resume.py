@@ -664,3 +664,40 @@ def test_a_failed_simulation_is_a_message_with_its_cause_and_the_way_on(tmp_path
     (tmp_path / "run" / "config.yaml").write_text("name: x\n")
     message = runtime.simulation_failure(err.value.__cause__, tmp_path / "run")
     assert f"what finished is kept in {tmp_path / 'run'}: `fednorm flower sim --out {tmp_path / 'run'} --resume`" in message
+
+
+def test_flower_sim_keeps_the_clients_state_in_the_run_folder_and_its_resume_gives_the_in_process_numbers(
+        tmp_path, monkeypatch):
+    """`fednorm flower sim` wiring, with Flower's simulation replaced by the in-process grid: one virtual SuperNode
+    per client, no GPU share, the clients' state under RUN/node_state; stopped after round 3 and resumed with
+    --resume, FedBN's run equals the in-process one (its BN layers came back from the nodes' state)."""
+    import flwr.simulation
+
+    from fednorm.engines.flower import app as flower_app
+    from fednorm.engines.flower import runtime
+
+    seen = {}
+
+    def server_app(settings, progress=None):
+        seen.update(settings=settings, progress=progress)
+        return "the ServerApp"
+
+    def run_simulation(server, client_app, num_supernodes, backend_config):
+        seen.update(nodes=num_supernodes, backend=backend_config)
+        grid = FakeGrid(client_app, [{"partition-id": i, "num-partitions": num_supernodes}
+                                     for i in range(num_supernodes)])
+        run_experiment(grid, seen["settings"], seen["progress"])
+
+    monkeypatch.setattr(flower_app, "make_server_app", server_app)
+    monkeypatch.setattr(flwr.simulation, "run_simulation", run_simulation)
+    config = tiny_config("federation.rounds=4", "federation.checkpoint_every=1", "federation.eval_every=2")
+    out = tmp_path / "run"
+    with pytest.raises(Stop):
+        runtime.simulate(config, out, progress=stop_at(3))
+    assert seen["nodes"] == 2 and seen["backend"]["client_resources"]["num_gpus"] == 0
+    assert any((out / "node_state").rglob("*.pt"))
+    runtime.simulate(config, out, resume=True)
+    assert seen["settings"].resume
+    start_run(config, tmp_path / "in_process")
+    cell = "fedbn/seed0/metrics.jsonl"
+    assert (out / cell).read_text() == (tmp_path / "in_process" / cell).read_text()
