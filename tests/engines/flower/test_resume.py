@@ -701,3 +701,56 @@ def test_flower_sim_keeps_the_clients_state_in_the_run_folder_and_its_resume_giv
     start_run(config, tmp_path / "in_process")
     cell = "fedbn/seed0/metrics.jsonl"
     assert (out / cell).read_text() == (tmp_path / "in_process" / cell).read_text()
+
+
+def test_flower_local_gives_each_supernode_its_client_and_absolute_folders_and_resumes_in_its_workdir(
+        tmp_path, monkeypatch):
+    """`fednorm flower local` wiring, its SuperLink and SuperNode processes replaced by the in-process grid run
+    from the app folder it wrote: a node per client with absolute state and data folders (the nodes run in the
+    work folder), and `--resume` with the default work folder (OUT-flower) finds the clients' state again."""
+    import tomllib
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    from fednorm.cli.main import app
+    from fednorm.engines.flower import runtime
+
+    from ...conftest import TINY_RUN
+
+    started = []
+
+    class Deployment:
+        def __init__(self, workdir, node_configs):
+            self.node_configs = node_configs
+            started.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def run_app(self, app_dir):
+            run_config = tomllib.loads((app_dir / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+            grid = FakeGrid(make_client_app(), self.node_configs)
+            run_experiment(grid, ServerSettings.from_run_config(run_config), stop_at(3) if len(started) == 1 else None)
+            return SimpleNamespace(wait=lambda timeout=None: 0)
+
+    monkeypatch.setattr(runtime, "LocalDeployment", Deployment)
+    monkeypatch.chdir(tmp_path)
+    sets = [arg for item in [*TINY_RUN, "methods=[fedbn]", "federation.checkpoint_every=1"] for arg in ("--set", item)]
+    first = CliRunner().invoke(app, ["flower", "local", *sets, "--out", "run", "--data-dir", "data"])
+    assert isinstance(first.exception, Stop), first.output
+    state = str(tmp_path / "run-flower" / "node_state")
+    assert started[0].node_configs == [{"client-index": i, "state-dir": state, "data-dir": str(tmp_path / "data")}
+                                       for i in range(2)]
+    resumed = CliRunner().invoke(app, ["flower", "local", "--out", "run", "--data-dir", "data", "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    assert started[1].node_configs == started[0].node_configs
+    from fednorm.runs.config import load_config
+
+    start_run(load_config("default", [*TINY_RUN, "methods=[fedbn]", "federation.checkpoint_every=1"]),
+              tmp_path / "in_process")
+    cell = "fedbn/seed0/metrics.jsonl"
+    assert (tmp_path / "run" / cell).read_text() == (tmp_path / "in_process" / cell).read_text()
