@@ -21,10 +21,11 @@ CLASSES = ["MEL", "NV", "BCC", "AK", "BKL", "DF", "VASC", "SCC", "UNK"]
 
 
 def _split_csv(root, per_center=(3, 1)):
-    """FLamby's columns; per center ``per_center`` (train, test) images; returns the rows."""
+    """FLamby's columns; per center ``per_center`` (train, test) images (or one such pair per center); returns the
+    rows."""
     rows = []
     for c in range(6):
-        for fold, n in zip(("train", "test"), per_center):
+        for fold, n in zip(("train", "test"), per_center[c] if isinstance(per_center[0], tuple) else per_center):
             for k in range(n):
                 target = (c + k) % 8
                 onehot = ["1.0" if i == target else "0.0" for i in range(9)]
@@ -150,3 +151,20 @@ def test_split_file_checks_and_missing_files(tmp_path):
     (raw / "train_test_split").write_text(text)
     with pytest.raises(DataError, match="fold2"):
         prepare_fed_isic2019(tmp_path / "data", raw_dir=raw, download=False, check_counts=False)
+
+
+def test_a_split_with_the_papers_per_center_counts_is_accepted_and_one_image_moved_is_refused(tmp_path):
+    # FedWon App. B.1 (FLamby's Fed-ISIC2019): center, train, test, in FLamby's center order
+    paper = [("bcn", 9930, 2483), ("vidir_molemax", 3163, 791), ("vidir_modern", 2691, 672),
+             ("rosendahl", 1807, 452), ("msk", 655, 164), ("vienna_dias", 351, 88)]
+    _split_csv(tmp_path, [(train, test) for _, train, test in paper])
+    rows = isic.read_split_csv(tmp_path / "train_test_split")
+    assert len(rows) == 23247  # the paper's total
+    assert list(isic.ISIC_CENTERS) == [name for name, _, _ in paper]
+    for c, (_, train, test) in enumerate(paper):
+        assert sum(r["center"] == c and r["fold"] == "train" for r in rows) == train
+        assert sum(r["center"] == c and r["fold"] == "test" for r in rows) == test
+    text = (tmp_path / "train_test_split").read_text().replace(",test,test_5", ",train,train_5", 1)
+    (tmp_path / "train_test_split").write_text(text)
+    with pytest.raises(DataError, match=r"does not hold FLamby's split: .* 5: \(352, 87\)"):
+        isic.read_split_csv(tmp_path / "train_test_split")
