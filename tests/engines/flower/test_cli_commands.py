@@ -38,7 +38,7 @@ def test_a_fresh_run_into_a_folder_that_holds_one_is_refused_before_anything_sta
     # the other way round: a resume with a config given, of a folder that holds no run
     empty = tmp_path / "empty"
     for command in ("sim", "local"):
-        result, text = invoke("flower", command, *SETS, "--out", empty, "--resume")
+        result, text = invoke("flower", command, "default", *SETS, "--out", empty, "--resume")
         assert result.exit_code == 2 and f"{empty} holds no run to resume (no config.yaml)" in text, command
     assert not empty.exists() and not (tmp_path / "empty-flower").exists()
 
