@@ -19,6 +19,13 @@ Styles (see :data:`RENDER_STYLES`):
 Each (font, digit) glyph is rasterised once with PIL and cached; every sample is then produced with
 batched torch ops from a ``torch.Generator`` seeded by (seed, style), so output is deterministic and
 the global random state is left untouched.
+
+The same bytes on every x86 CPU: torch hands exp/sin/cos, matrix products, LAPACK's inverse and some
+convolutions to MKL, whose results depend on the instruction set (AVX2 and AVX-512 differ in the last
+bit), and a last-bit difference moves a pixel across a rounding step to uint8 (about ten pixels of a
+9,298-image pool did, so a run started on one CPU could not resume on another). Rendering therefore
+takes transcendentals in float64 rounded to float32 (:func:`_exactly`), and writes products, the 2x2
+inverse and the blur as elementwise arithmetic, which IEEE rounds the same everywhere.
 """
 
 from __future__ import annotations
@@ -264,6 +271,17 @@ def _glyph_bank(fonts: tuple[str, ...], strokes: tuple[int, ...], outline: bool)
     return bank, half_width
 
 
+def _exactly(fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for a float32 tensor, the same on every CPU: evaluated in float64 (where instruction sets
+    differ in the last bit) and rounded to float32, which takes that bit away."""
+    return fn(x.double()).float()
+
+
+def _luma(rgb: torch.Tensor) -> torch.Tensor:
+    """Luminance of (N, 3) colours, summed in a fixed order (a matrix product's order depends on the CPU)."""
+    return _LUMA[0] * rgb[:, 0] + _LUMA[1] * rgb[:, 1] + _LUMA[2] * rgb[:, 2]
+
+
 def _uniform(gen: torch.Generator, n: int, lo_hi: tuple[float, float]) -> torch.Tensor:
     lo, hi = lo_hi
     return lo + (hi - lo) * torch.rand(n, generator=gen)
@@ -282,7 +300,7 @@ def _random_colour(gen: torch.Generator, n: int, sat: tuple[float, float], val: 
 
 def _enforce_contrast(fg: torch.Tensor, bg: torch.Tensor, c: float) -> torch.Tensor:
     """Move fg towards black (light bg) or white (dark bg) until luminances differ by at least c."""
-    yf, yb = fg @ _LUMA, bg @ _LUMA
+    yf, yb = _luma(fg), _luma(bg)
     to_black = yb > 0.5
     a_black = (yf - (yb - c)) / yf.clamp(min=1e-6)
     a_white = ((yb + c) - yf) / (1.0 - yf).clamp(min=1e-6)
@@ -296,12 +314,17 @@ def _blur(img: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     n, c, h, w = img.shape
     r = min(max(1, math.ceil(3.0 * float(sigma.max()))), h - 1, w - 1)
     taps = torch.arange(-r, r + 1, dtype=img.dtype)
-    k = torch.exp(-(taps**2) / (2.0 * sigma.clamp(min=0.05)[:, None] ** 2))
-    k = (k / k.sum(dim=1, keepdim=True)).repeat_interleave(c, dim=0)  # (N*C, K)
-    x = F.pad(img.reshape(1, n * c, h, w), (r, r, r, r), mode="reflect")
-    x = F.conv2d(x, k.view(n * c, 1, 1, -1), groups=n * c)
-    x = F.conv2d(x, k.view(n * c, 1, -1, 1), groups=n * c)
-    return x.view(n, c, h, w)
+    k = _exactly(torch.exp, -(taps**2) / (2.0 * sigma.clamp(min=0.05)[:, None] ** 2))
+    k = (k / k.sum(dim=1, keepdim=True))[:, :, None, None, None]  # (N, K, 1, 1, 1)
+    x = F.pad(img, (r, r, r, r), mode="reflect")
+    # taps summed one by one in a fixed order (a convolution's order and kernel depend on the CPU)
+    rows = k[:, 0] * x[..., :, 0:w]
+    for j in range(1, 2 * r + 1):
+        rows = rows + k[:, j] * x[..., :, j : j + w]
+    out = k[:, 0] * rows[..., 0:h, :]
+    for j in range(1, 2 * r + 1):
+        out = out + k[:, j] * rows[..., j : j + h, :]
+    return out
 
 
 def _smooth_noise(gen: torch.Generator, n: int, c: int, size: int) -> torch.Tensor:
@@ -318,7 +341,7 @@ def _ramp(gen: torch.Generator, n: int, size: int) -> torch.Tensor:
     phi = 2.0 * math.pi * torch.rand(n, generator=gen)
     t = torch.linspace(-1.0, 1.0, size)
     yy, xx = torch.meshgrid(t, t, indexing="ij")
-    r = torch.cos(phi)[:, None, None] * xx + torch.sin(phi)[:, None, None] * yy
+    r = _exactly(torch.cos, phi)[:, None, None] * xx + _exactly(torch.sin, phi)[:, None, None] * yy
     return (r / math.sqrt(2.0)).unsqueeze(1)
 
 
@@ -333,13 +356,17 @@ def _render_masks(st: RenderStyle, gen: torch.Generator, y: torch.Tensor, size: 
     asp = _uniform(gen, n, st.aspect)
     sh = _uniform(gen, n, (-st.shear, st.shear))
     t = _uniform(gen, 2 * n, (-st.shift, st.shift)).view(n, 2)
-    cos, sin = torch.cos(ang), torch.sin(ang)
+    cos, sin = _exactly(torch.cos, ang), _exactly(torch.sin, ang)
     # forward glyph -> image map M = s * R(ang) @ [[1, sh], [0, 1]] @ diag(asp, 1); grid_sample needs its inverse
     m = torch.stack(
         [torch.stack([cos * asp, cos * sh - sin], -1), torch.stack([sin * asp, sin * sh + cos], -1)], -2
     ) * s[:, None, None]
-    inv = torch.linalg.inv(m)
-    off = -(inv @ t.unsqueeze(-1)).squeeze(-1)
+    # the 2x2 inverse and the offset written out (LAPACK's and a matrix product's last bit depend on the CPU)
+    a, b, c, d = m[:, 0, 0], m[:, 0, 1], m[:, 1, 0], m[:, 1, 1]
+    det = a * d - b * c
+    inv = torch.stack([torch.stack([d / det, -b / det], -1), torch.stack([-c / det, a / det], -1)], -2)
+    off = -torch.stack([inv[:, 0, 0] * t[:, 0] + inv[:, 0, 1] * t[:, 1],
+                        inv[:, 1, 0] * t[:, 0] + inv[:, 1, 1] * t[:, 1]], -1)
 
     u = (torch.arange(size, dtype=torch.float32) + 0.5) * (2.0 / size) - 1.0  # pixel centres, align_corners=False
     ux, uy = u.view(1, 1, size), u.view(1, size, 1)
