@@ -896,9 +896,13 @@ def check_partitions(run_dir: Path, clients: list[ClientData]) -> None:
     for a, b in zip(map(without_class_counts, saved), map(without_class_counts, record)):
         if a != b:
             split = next((s for s in ("train", "val", "test") if a.get(s) != b.get(s)), "?")
+            why = ("the data folder or fednorm's data protocol changed" if a.get("origin") != "rendered" else
+                   "rendered digits are drawn again on resume, and a few pixels come out differently on another "
+                   "kind of CPU (ARM, or x86 without AVX2; fednorm before December 2026 also on AVX2 vs AVX-512): "
+                   "resume on the kind of CPU of run.json's cpu_capability, with the fednorm that started the run")
             raise RunError(f"{run_dir}: client {a['name']!r} no longer holds the same {split} data as when the run "
-                           f"started (its sha256 or size differs): the data folder or fednorm's data protocol "
-                           f"changed. Resume with the original data (see {PARTITIONS_FILE}) or start a new run")
+                           f"started (its sha256 or size differs): {why}. Resume with the original data (see "
+                           f"{PARTITIONS_FILE}) or start a new run")
 
 
 def without_class_counts(entry: dict) -> dict:
