@@ -7,6 +7,7 @@
                                                    # 10 evaluations, best (first step at it); then means over seeds
     python benchmarks/fbn_table.py --heterogeneity # the paper's Fig. 3 / Fig. 5 as a table: final accuracy against
                                                    # gamma (1 -> 0) and Dirichlet alpha, mean (sample std) over seeds
+    python benchmarks/fbn_table.py --rows <run>/<method>/seed0 ...   # the full-protocol sections' by-step rows
 
 Each run folder holds every method of its preset for one setting (gamma, Dirichlet alpha, attack);
 a cell still running shows its last evaluated round, a diverged one (federation.on_divergence: record) the
@@ -190,16 +191,60 @@ def main(root: Path = ROOT) -> None:
         print(f"| {run} | " + " | ".join(cells.get(m, "") for m in methods) + " |")
 
 
+ROW_STEPS = (100, 300, 600, 900, 1200, 1500, 1800, 2100, 2400, 2700, 3000)
+
+
+def rows(cells: list[Path], steps: tuple[int, ...] = ROW_STEPS) -> None:
+    """The full-protocol sections' by-step table: one row per seed folder (<run>/<method>/seedN) with the test
+    accuracy at ``steps``, the final one in bold, the mean of the last 5 and 10 evaluations and the best (first
+    step at it); the row is labelled <method>, <run folder>, <seed>."""
+    print("| cell | " + " | ".join(map(str, steps)) + " | mean of last 5 evaluations | mean of last 10 | best (step) |")
+    print("|---" * (len(steps) + 4) + "|")
+    for cell in cells:
+        curve = test_by_round(cell)
+        if not curve:
+            print(f"| {cell} | no test evaluation yet |")
+            continue
+        evaluated = sorted(curve)
+        last = evaluated[-1]
+        best = max(curve.values())
+        first_best = min(s for s in evaluated if curve[s] == best)
+        shown = [f"**{curve[s]:.2f}**" if s == last else f"{curve[s]:.2f}" if s in curve else "" for s in steps]
+        label = f"{cell.parent.name}, {cell.parent.parent.name}, {cell.name}"
+        print(f"| {label} | " + " | ".join(shown) + f" | {statistics.mean(curve[s] for s in evaluated[-5:]):.2f} | "
+              f"{statistics.mean(curve[s] for s in evaluated[-10:]):.2f} | {best:.2f} ({first_best}) |")
+
+
+def parse_args(argv: list[str] | None = None):
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--heterogeneity", action="store_true", help="final accuracy against gamma and Dirichlet alpha")
+    mode.add_argument("--robust", metavar="GAMMA", help="robust FBN vs robust naive BN at one gamma (0, 0.01, ...)")
+    mode.add_argument("--summary", nargs="+", type=Path, metavar="RUN", help="per method and seed: final, mean of "
+                      "the last 5 and 10 evaluations, best; then means over seeds")
+    mode.add_argument("--by-step", nargs="+", type=Path, metavar="RUN", help="one setting's methods by step")
+    mode.add_argument("--rows", nargs="+", type=Path, metavar="SEED_FOLDER", help="the full-protocol table: one row "
+                      "per <run>/<method>/seedN folder at steps " + ", ".join(map(str, ROW_STEPS)))
+    parser.add_argument("root", nargs="?", type=Path, default=ROOT, help=f"folder of run folders (default {ROOT})")
+    return parser.parse_args(argv)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) == 2 and sys.argv[1] == "--heterogeneity":
-        heterogeneity()
-    elif len(sys.argv) == 3 and sys.argv[1] == "--robust":
-        robust(sys.argv[2])
-    elif len(sys.argv) > 2 and sys.argv[1] == "--summary":
-        summary([Path(folder) for folder in sys.argv[2:]])
-    elif len(sys.argv) > 2 and sys.argv[1] == "--by-step":
-        for folder in sys.argv[2:]:
-            by_step(Path(folder))
+    args = parse_args()
+    if args.heterogeneity:
+        heterogeneity(args.root)
+    elif args.robust is not None:
+        robust(args.robust, args.root)
+    elif args.summary:
+        summary(args.summary)
+    elif args.by_step:
+        for folder in args.by_step:
+            by_step(folder)
             print()
+    elif args.rows:
+        rows(args.rows)
     else:
-        main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT)
+        main(args.root)
