@@ -31,6 +31,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
 # not a terminal (a pipe, a log file, CI): wide enough that result tables never wrap
 console = Console() if sys.stdout.isatty() else Console(width=200)
+# --data-dir of the commands that build a federation from a config (runs.runner, engines.flower.node)
+_CONFIGURED_DATA_DIR = "data folder (else the config's data.data_dir, else FEDNORM_DATA, else the user cache)"
 err_console = Console(stderr=True)
 
 _USER_ERRORS = (ConfigError, DataError, DeviceError, RunError, UpdateError, FloatingPointError, CorruptFileError)
@@ -139,7 +141,7 @@ def run(
     config: Optional[str] = typer.Argument(None, help="YAML config file or preset name (default: the 'default' preset)"),
     set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. --set federation.rounds=5"),
     out: Optional[Path] = typer.Option(None, "--out", help="run folder (default: runs/<name>-<time>)"),
-    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder (else FEDNORM_DATA, else the user cache)"),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help=_CONFIGURED_DATA_DIR),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
 ) -> None:
     """Run an experiment: every method x seed of the config, into a run folder."""
@@ -532,7 +534,8 @@ def _flower_config(config: Optional[str], set_: list[str], out: Path, resume: bo
 
 
 _RESUME = typer.Option(False, "--resume", help="continue the stopped run in --out from its checkpoints (the config "
-                       "is read from the run folder); methods with client state need nodes with a state-dir")
+                       "is read from the run folder; the clients' state is kept under RUN/node_state (sim) or "
+                       "WORKDIR/node_state (local))")
 _ROUND_TIMEOUT = typer.Option(600.0, "--round-timeout", min=0.0, help="seconds to wait for a round's replies before leaving "
                               "the missing clients out (0: wait forever)")
 _NODE_WAIT = typer.Option(300.0, "--node-wait", min=0.0, help="seconds to wait at the start for SuperNodes holding every client")
@@ -543,7 +546,7 @@ def flower_sim(
     config: Optional[str] = typer.Argument(None, help="YAML config file or preset name"),
     set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. --set federation.rounds=5"),
     out: Path = typer.Option(..., "--out", help="run folder"),
-    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder (else FEDNORM_DATA, else the user cache)"),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help=_CONFIGURED_DATA_DIR),
     nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="virtual SuperNodes (default one per client)"),
     cpus_per_node: float = typer.Option(1.0, "--cpus-per-node", help="CPUs of each Ray actor running a ClientApp"),
     round_timeout: float = _ROUND_TIMEOUT,
@@ -587,7 +590,7 @@ def flower_app_folder(
 def flower_clients(
     config: Optional[str] = typer.Argument(None, help="YAML config file or preset name"),
     set_: list[str] = typer.Option([], "--set", help="override a config key"),
-    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder (else FEDNORM_DATA, else the user cache)"),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help=_CONFIGURED_DATA_DIR),
 ) -> None:
     """The federation's clients, each with the --node-config of a SuperNode that holds it."""
     _flower()

@@ -6,7 +6,7 @@ RUN_DIR/
   run.json, partitions.json   where and how it ran; what every client holds (checked on resume)
   .lock                       held by the process running it (a second run or resume is refused)
   results.md, results.json    the comparison table (methods x clients, mean (std) over seeds)
-  comparison.png              average test accuracy over rounds, one line per method
+  comparison.png              average test accuracy and training loss over rounds, one line per method
   diagnostics.png             drift and gradient dissimilarity per round (runs with diagnostics on)
   <method>/seed<k>/
     metrics.jsonl             one line per round per client and split
