@@ -8,6 +8,9 @@ RUN_DIR/
   results.md, results.json    the comparison table (methods x clients, mean (std) over seeds)
   comparison.png              average test accuracy and training loss over rounds, one line per method
   diagnostics.png             drift and gradient dissimilarity per round (runs with diagnostics on)
+  flower.json                 which Flower nodes held which client (Flower runs)
+  unifed_ablation{,_selected}.{json,md,png}  `fednorm external-ablation`'s test-time BN grid
+  rescore_bn.{json,md}        `fednorm rescore`: BN statistics as stored and recomputed
   <method>/seed<k>/
     metrics.jsonl             one line per round per client and split
     checkpoint.pt             engine state after the last completed round (atomic replace)
@@ -17,6 +20,9 @@ RUN_DIR/
     metrics.no-checkpoint-<k>.jsonl  metrics of a history whose checkpoint was gone on resume (the cell trained
                               again from round 0; kept, never overwritten)
     accuracy.png, loss.png    per-client curves
+    drift.png, dissimilarity.png  per-client drift and gradient dissimilarity (diagnostics on)
+    landscape[-span<s>].{json,png}  loss-landscape slice (diagnostics.landscape, `fednorm landscape`)
+    participation.jsonl       per round, which clients replied (Flower runs)
 ```
 """
 
