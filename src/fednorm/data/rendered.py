@@ -20,12 +20,15 @@ Each (font, digit) glyph is rasterised once with PIL and cached; every sample is
 batched torch ops from a ``torch.Generator`` seeded by (seed, style), so output is deterministic and
 the global random state is left untouched.
 
-The same bytes on every x86 CPU: torch hands exp/sin/cos, matrix products, LAPACK's inverse and some
-convolutions to MKL, whose results depend on the instruction set (AVX2 and AVX-512 differ in the last
-bit), and a last-bit difference moves a pixel across a rounding step to uint8 (about ten pixels of a
-9,298-image pool did, so a run started on one CPU could not resume on another). Rendering therefore
-takes transcendentals in float64 rounded to float32 (:func:`_exactly`), and writes products, the 2x2
-inverse and the blur as elementwise arithmetic, which IEEE rounds the same everywhere.
+The same bytes on every CPU: torch hands exp/sin/cos, matrix products, LAPACK's inverse and some
+convolutions to MKL, and runs random normals, grid sampling, bicubic resizing and reductions in kernels
+chosen by the instruction set (AVX2, AVX-512, or plain C on ARM and old x86), all of which differ in the
+last bit; a last-bit difference moves a pixel across a rounding step to uint8 (about ten pixels of a
+9,298-image pool did between AVX2 and AVX-512 machines, so a run started on one could not resume on the
+other). Rendering therefore takes transcendentals in float64 rounded to float32 (:func:`_exactly`), and
+writes every other computation as single elementwise operations in a fixed order (products, the 2x2
+inverse, sums, the blur, bilinear sampling, bicubic resizing, Box-Muller normals), which IEEE rounds the
+same everywhere.
 """
 
 from __future__ import annotations
@@ -282,6 +285,69 @@ def _luma(rgb: torch.Tensor) -> torch.Tensor:
     return _LUMA[0] * rgb[:, 0] + _LUMA[1] * rgb[:, 1] + _LUMA[2] * rgb[:, 2]
 
 
+def _normal(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    """Standard normal samples by Box-Muller from two uniforms (torch.randn's kernel depends on the CPU)."""
+    u1, u2 = torch.rand(*shape, generator=gen), torch.rand(*shape, generator=gen)
+    radius = _exactly(lambda u: torch.sqrt(-2.0 * torch.log1p(-u)), u1)  # 1 - u1 in (0, 1]: finite
+    return radius * _exactly(torch.cos, 2.0 * math.pi * u2)
+
+
+def _bilinear_sample(images: torch.Tensor, gx: torch.Tensor, gy: torch.Tensor) -> torch.Tensor:
+    """``F.grid_sample(images, stack([gx, gy], -1), align_corners=False)`` (bilinear, zeros outside), written
+    out: images (N, 1, H, W), gx / gy (N, h, w) in [-1, 1] units -> (N, 1, h, w)."""
+    n, _, height, width = images.shape
+    ix = ((gx + 1.0) * width - 1.0) / 2.0
+    iy = ((gy + 1.0) * height - 1.0) / 2.0
+    x0, y0 = ix.floor(), iy.floor()
+    wx1, wy1 = ix - x0, iy - y0
+    wx0, wy0 = 1.0 - wx1, 1.0 - wy1
+    # two zero pixels around every image: a corner outside the image reads a zero, so no masks are needed (a
+    # top-left corner clamped to [-2, size] keeps both of its columns / rows outside when it was outside)
+    padded_width = width + 4
+    flat = F.pad(images, (2, 2, 2, 2)).reshape(n, (height + 4) * padded_width)
+    top_left = ((y0.long().clamp(-2, height) + 2) * padded_width + x0.long().clamp(-2, width) + 2).reshape(n, -1)
+
+    def at(offset: int) -> torch.Tensor:
+        return flat.gather(1, top_left + offset).view_as(gx)
+
+    top = at(0) * wx0 + at(1) * wx1
+    bottom = at(padded_width) * wx0 + at(padded_width + 1) * wx1
+    return (top * wy0 + bottom * wy1).unsqueeze(1)
+
+
+def _cubic_taps(size_in: int, size_out: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Source indices (4, size_out) and weights (4, size_out) of PyTorch's bicubic resize (align_corners=False,
+    A = -0.75, edge indices clamped)."""
+    scale = size_in / size_out
+    src = (torch.arange(size_out, dtype=torch.float32) + 0.5) * scale - 0.5
+    base = src.floor()
+    t = src - base
+    a = -0.75
+
+    def near(d: torch.Tensor) -> torch.Tensor:  # |d| <= 1
+        return ((a + 2.0) * d - (a + 3.0)) * d * d + 1.0
+
+    def far(d: torch.Tensor) -> torch.Tensor:  # 1 < |d| < 2
+        return ((a * d - 5.0 * a) * d + 8.0 * a) * d - 4.0 * a
+
+    weights = torch.stack([far(t + 1.0), near(t), near(1.0 - t), far(2.0 - t)])
+    index = torch.stack([base.long() + k for k in (-1, 0, 1, 2)]).clamp(0, size_in - 1)
+    return index, weights
+
+
+def _bicubic_resize(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``F.interpolate(x, size=(size, size), mode="bicubic", align_corners=False)`` of square images
+    (N, C, S, S), written out: columns, then rows, the four taps summed in order."""
+    index, weights = _cubic_taps(x.shape[-1], size)
+    cols = x.index_select(-1, index[0]) * weights[0]
+    for k in range(1, 4):
+        cols = cols + x.index_select(-1, index[k]) * weights[k]
+    out = cols.index_select(-2, index[0]) * weights[0][:, None]
+    for k in range(1, 4):
+        out = out + cols.index_select(-2, index[k]) * weights[k][:, None]
+    return out
+
+
 def _uniform(gen: torch.Generator, n: int, lo_hi: tuple[float, float]) -> torch.Tensor:
     lo, hi = lo_hi
     return lo + (hi - lo) * torch.rand(n, generator=gen)
@@ -315,31 +381,40 @@ def _blur(img: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     r = min(max(1, math.ceil(3.0 * float(sigma.max()))), h - 1, w - 1)
     taps = torch.arange(-r, r + 1, dtype=img.dtype)
     k = _exactly(torch.exp, -(taps**2) / (2.0 * sigma.clamp(min=0.05)[:, None] ** 2))
-    k = (k / k.sum(dim=1, keepdim=True))[:, :, None, None, None]  # (N, K, 1, 1, 1)
+    total = k[:, 0]
+    for j in range(1, 2 * r + 1):  # summed in order (a reduction's order depends on the CPU)
+        total = total + k[:, j]
+    k = (k / total[:, None])[:, :, None, None, None]  # (N, K, 1, 1, 1)
     x = F.pad(img, (r, r, r, r), mode="reflect")
-    # taps summed one by one in a fixed order (a convolution's order and kernel depend on the CPU)
-    rows = k[:, 0] * x[..., :, 0:w]
+    # taps summed one by one in a fixed order (a convolution's order and kernel depend on the CPU); a product
+    # then a sum, each rounded (a fused multiply-add would round once, on some CPUs only)
+    # (the horizontal pass runs on the transposed image, so that every tap reads whole contiguous rows)
+    xt = x.transpose(-1, -2).contiguous()
+    rows = k[:, 0] * xt[..., 0:w, :]
+    product = torch.empty_like(rows)
     for j in range(1, 2 * r + 1):
-        rows = rows + k[:, j] * x[..., :, j : j + w]
+        rows += torch.mul(k[:, j], xt[..., j : j + w, :], out=product)
+    rows = rows.transpose(-1, -2).contiguous()
     out = k[:, 0] * rows[..., 0:h, :]
+    product = torch.empty_like(out)
     for j in range(1, 2 * r + 1):
-        out = out + k[:, j] * rows[..., j : j + h, :]
+        out += torch.mul(k[:, j], rows[..., j : j + h, :], out=product)
     return out
 
 
 def _smooth_noise(gen: torch.Generator, n: int, c: int, size: int) -> torch.Tensor:
     """Multi-scale smooth noise (n, c, size, size) with roughly unit amplitude (octaves summed coarse to fine)."""
-    out = 0.6 * torch.randn(n, c, 3, 3, generator=gen)
+    out = 0.6 * _normal(gen, n, c, 3, 3)
     for cells, weight in ((6, 0.5), (12, 0.35)):
-        out = F.interpolate(out, size=(cells, cells), mode="bicubic", align_corners=False)
-        out = out + weight * torch.randn(n, c, cells, cells, generator=gen)
-    return F.interpolate(out, size=(size, size), mode="bicubic", align_corners=False)
+        out = _bicubic_resize(out, cells)
+        out = out + weight * _normal(gen, n, c, cells, cells)
+    return _bicubic_resize(out, size)
 
 
 def _ramp(gen: torch.Generator, n: int, size: int) -> torch.Tensor:
     """Linear ramps in [-1, 1] along a random direction per sample: (n, 1, size, size)."""
     phi = 2.0 * math.pi * torch.rand(n, generator=gen)
-    t = torch.linspace(-1.0, 1.0, size)
+    t = torch.arange(size, dtype=torch.float32) * (2.0 / (size - 1)) - 1.0  # linspace's kernel depends on the CPU
     yy, xx = torch.meshgrid(t, t, indexing="ij")
     r = _exactly(torch.cos, phi)[:, None, None] * xx + _exactly(torch.sin, phi)[:, None, None] * yy
     return (r / math.sqrt(2.0)).unsqueeze(1)
@@ -372,7 +447,7 @@ def _render_masks(st: RenderStyle, gen: torch.Generator, y: torch.Tensor, size: 
     ux, uy = u.view(1, 1, size), u.view(1, size, 1)
     gx = inv[:, 0, 0, None, None] * ux + inv[:, 0, 1, None, None] * uy + off[:, 0, None, None]
     gy = inv[:, 1, 0, None, None] * ux + inv[:, 1, 1, None, None] * uy + off[:, 1, None, None]
-    mask = F.grid_sample(bank[y + variant], torch.stack([gx, gy], -1), align_corners=False)
+    mask = _bilinear_sample(bank[y + variant], gx, gy)
 
     if st.neighbours > 0:
         hw_c = half_width[y + variant]
@@ -381,8 +456,7 @@ def _render_masks(st: RenderStyle, gen: torch.Generator, y: torch.Tensor, size: 
             d = torch.randint(0, 10, (n,), generator=gen) + variant
             gap = _uniform(gen, n, (0.05, 0.2))
             dx = side * (hw_c + half_width[d] + gap)
-            grid = torch.stack([gx - dx[:, None, None], gy], -1)
-            other = F.grid_sample(bank[d], grid, align_corners=False)
+            other = _bilinear_sample(bank[d], gx - dx[:, None, None], gy)
             mask = torch.maximum(mask, other * present[:, None, None, None])
     return mask.clamp_(0.0, 1.0)
 
@@ -422,7 +496,7 @@ def _render_chunk(st: RenderStyle, gen: torch.Generator, y: torch.Tensor, size: 
         img = img * (1.0 + a * _ramp(gen, n, size))
     img = _blur(img.clamp(0.0, 1.0), _uniform(gen, n, st.blur))
     std = _uniform(gen, n, st.noise).view(n, 1, 1, 1)
-    img = img + std * torch.randn(n, 1, size, size, generator=gen)
+    img = img + std * _normal(gen, n, 1, size, size)
     return (img.clamp(0.0, 1.0) * 255.0).round().to(torch.uint8)
 
 

@@ -897,9 +897,10 @@ def check_partitions(run_dir: Path, clients: list[ClientData]) -> None:
         if a != b:
             split = next((s for s in ("train", "val", "test") if a.get(s) != b.get(s)), "?")
             why = ("the data folder or fednorm's data protocol changed" if a.get("origin") != "rendered" else
-                   "rendered digits are drawn again on resume, and a few pixels come out differently on another "
-                   "kind of CPU (ARM, or x86 without AVX2; fednorm before December 2026 also on AVX2 vs AVX-512): "
-                   "resume on the kind of CPU of run.json's cpu_capability, with the fednorm that started the run")
+                   "rendered digits are drawn again on resume: with the same fednorm they are the same bytes on "
+                   "every CPU, but fednorm before December 2026 drew a few pixels differently (and by CPU), and "
+                   "other Pillow or matplotlib versions may draw the glyphs differently: resume with the "
+                   "fednorm and packages that started the run")
             raise RunError(f"{run_dir}: client {a['name']!r} no longer holds the same {split} data as when the run "
                            f"started (its sha256 or size differs): {why}. Resume with the original data (see "
                            f"{PARTITIONS_FILE}) or start a new run")
