@@ -94,6 +94,30 @@ def test_identical_in_fresh_process_with_one_thread():
     assert out[1].strip() == str(s.y.tolist()[:20])
 
 
+def test_written_out_operations_are_torchs_up_to_the_last_bit():
+    """Each operation rendering writes out in place of a CPU-dependent torch kernel gives torch's result to
+    float32 rounding, and random normals take the same draws from the generator: the images stay those that
+    torch's kernels drew (a different stream would give other digits, colours and positions)."""
+    from fednorm.data.rendered import _bicubic_resize, _bilinear_sample, _normal
+
+    for size in (7, 16, 738, 4608):  # below one block, one block, a partial last block, whole blocks
+        ours, theirs = torch.Generator().manual_seed(size), torch.Generator().manual_seed(size)
+        torch.testing.assert_close(_normal(ours, 2, size // 2 + size % 2, 1)[:, : size // 2],
+                                   torch.randn(2, size // 2 + size % 2, 1, generator=theirs)[:, : size // 2],
+                                   rtol=0, atol=1e-6)
+        assert torch.equal(torch.rand(8, generator=ours), torch.rand(8, generator=theirs))
+    g = torch.Generator().manual_seed(0)
+    images = torch.rand(20, 1, 64, 64, generator=g)
+    gx, gy = torch.rand(2, 20, 28, 28, generator=g) * 3 - 1.5  # partly outside the images: zeros there
+    torch.testing.assert_close(_bilinear_sample(images, gx, gy),
+                               F.grid_sample(images, torch.stack([gx, gy], -1), align_corners=False), rtol=0, atol=1e-6)
+    for size_in, size_out in ((3, 6), (6, 12), (12, 28)):
+        x = torch.randn(10, 3, size_in, size_in, generator=g)
+        torch.testing.assert_close(_bicubic_resize(x, size_out),
+                                   F.interpolate(x, size=(size_out, size_out), mode="bicubic", align_corners=False),
+                                   rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("kernels", [
     # an AVX2 machine (MKL's, oneDNN's and torch's AVX2 kernels; the same as this process on an AVX2 CPU)
     {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},

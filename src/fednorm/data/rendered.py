@@ -27,8 +27,9 @@ last bit; a last-bit difference moves a pixel across a rounding step to uint8 (a
 9,298-image pool did between AVX2 and AVX-512 machines, so a run started on one could not resume on the
 other). Rendering therefore takes transcendentals in float64 rounded to float32 (:func:`_exactly`), and
 writes every other computation as single elementwise operations in a fixed order (products, the 2x2
-inverse, sums, the blur, bilinear sampling, bicubic resizing, Box-Muller normals), which IEEE rounds the
-same everywhere.
+inverse, sums, the blur, bilinear sampling, bicubic resizing, the Box-Muller step of random normals),
+which IEEE rounds the same everywhere. Each replaces a torch call with the same draws from the generator and
+the same result up to the last bit, so the images are those torch's kernels drew.
 """
 
 from __future__ import annotations
@@ -286,10 +287,24 @@ def _luma(rgb: torch.Tensor) -> torch.Tensor:
 
 
 def _normal(gen: torch.Generator, *shape: int) -> torch.Tensor:
-    """Standard normal samples by Box-Muller from two uniforms (torch.randn's kernel depends on the CPU)."""
-    u1, u2 = torch.rand(*shape, generator=gen), torch.rand(*shape, generator=gen)
-    radius = _exactly(lambda u: torch.sqrt(-2.0 * torch.log1p(-u)), u1)  # 1 - u1 in (0, 1]: finite
-    return radius * _exactly(torch.cos, 2.0 * math.pi * u2)
+    """``torch.randn(*shape, generator=gen)`` with the same draws from ``gen`` and the same Box-Muller pairing
+    as torch's CPU kernel (uniforms in blocks of 16: the first 8 give radii, the last 8 angles; a last partial
+    block is redrawn whole), its transcendentals in float64 (the kernel's float32 ones depend on the CPU)."""
+    size = math.prod(shape)
+    if size < 16:  # torch draws each one in float64 on every CPU
+        return torch.randn(*shape, generator=gen)
+
+    def box_muller(u: torch.Tensor) -> torch.Tensor:  # (blocks, 16) uniforms -> normals, in place of them
+        radius = _exactly(lambda v: torch.sqrt(-2.0 * torch.log(v)), 1.0 - u[:, :8])
+        theta = 2.0 * math.pi * u[:, 8:]
+        return torch.cat([radius * _exactly(torch.cos, theta), radius * _exactly(torch.sin, theta)], 1)
+
+    whole = size // 16 * 16
+    out = torch.empty(size)
+    out[:whole] = box_muller(torch.rand(size, generator=gen)[:whole].view(-1, 16)).reshape(-1)
+    if size % 16:
+        out[size - 16 :] = box_muller(torch.rand(1, 16, generator=gen)).reshape(-1)
+    return out.view(*shape)
 
 
 def _bilinear_sample(images: torch.Tensor, gx: torch.Tensor, gy: torch.Tensor) -> torch.Tensor:
