@@ -100,12 +100,11 @@ def test_written_out_operations_are_torchs_up_to_the_last_bit():
     torch's kernels drew (a different stream would give other digits, colours and positions)."""
     from fednorm.data.rendered import _bicubic_resize, _bilinear_sample, _normal
 
-    for size in (7, 16, 738, 4608):  # below one block, one block, a partial last block, whole blocks
-        ours, theirs = torch.Generator().manual_seed(size), torch.Generator().manual_seed(size)
-        torch.testing.assert_close(_normal(ours, 2, size // 2 + size % 2, 1)[:, : size // 2],
-                                   torch.randn(2, size // 2 + size % 2, 1, generator=theirs)[:, : size // 2],
-                                   rtol=0, atol=1e-6)
-        assert torch.equal(torch.rand(8, generator=ours), torch.rand(8, generator=theirs))
+    # below one block of 16, one block, a partial last block, whole blocks
+    for seed, shape in enumerate([(7,), (16,), (2, 369, 1), (512, 1, 3, 3)]):
+        ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        torch.testing.assert_close(_normal(ours, *shape), torch.randn(*shape, generator=theirs), rtol=0, atol=1e-6)
+        assert torch.equal(torch.rand(8, generator=ours), torch.rand(8, generator=theirs))  # the same draws
     g = torch.Generator().manual_seed(0)
     images = torch.rand(20, 1, 64, 64, generator=g)
     gx, gy = torch.rand(2, 20, 28, 28, generator=g) * 3 - 1.5  # partly outside the images: zeros there
