@@ -7,6 +7,7 @@
                                                    # 10 evaluations, best (first step at it); then means over seeds
     python benchmarks/fbn_table.py --heterogeneity # the paper's Fig. 3 / Fig. 5 as a table: final accuracy against
                                                    # gamma (1 -> 0) and Dirichlet alpha, mean (sample std) over seeds
+    python benchmarks/fbn_table.py --full          # the same over the full-protocol cells (one folder per method)
     python benchmarks/fbn_table.py --rows <run>/<method>/seed0 ...   # the full-protocol sections' by-step rows
 
 Each run folder holds every method of its preset for one setting (gamma, Dirichlet alpha, attack);
@@ -121,11 +122,15 @@ def robust(gamma: str, root: Path = ROOT) -> None:
                       f"{_final_best(naive[0]) if naive else ''} |")
 
 
-def heterogeneity(root: Path = ROOT, preset: str = "fbn_mnistm") -> None:
+def heterogeneity(root: Path = ROOT, preset: str = "fbn_mnistm", full: bool = False) -> None:
     """Final test accuracy against heterogeneity: one row per setting (gamma from 1 to 0, then Dirichlet alpha
     from 1 to 0.1), one column per method, mean (sample std, ddof 1) over the seeds of every run folder
-    <preset>-<setting>[-seedN]; a cell still running or diverged is left out and counted in brackets."""
-    pattern = re.compile(rf"{re.escape(preset)}-(gamma|dirichlet)([0-9.]+)(?:-seed\d+)?")
+    <preset>-<setting>[-seedN]; a cell still running or diverged is left out and counted in brackets.
+    ``full``: the full-protocol folders instead, one per method, <preset>-full-<setting>[-seedN]-<method>."""
+    if full:
+        pattern = re.compile(rf"{re.escape(preset)}-full-(gamma|dirichlet)([0-9.]+)(?:-seed\d+)?-[a-z_]+")
+    else:
+        pattern = re.compile(rf"{re.escape(preset)}-(gamma|dirichlet)([0-9.]+)(?:-seed\d+)?")
     finals: dict[tuple[str, float], dict[str, list[float]]] = {}
     unfinished: dict[tuple[str, float], dict[str, int]] = {}
     methods: list[str] = []
@@ -159,7 +164,8 @@ def heterogeneity(root: Path = ROOT, preset: str = "fbn_mnistm") -> None:
     paper_order = ["fbn", "fixbn", "naive_bn", "centralized_bn"]  # the preset's (and the paper's legend's) order
     methods.sort(key=lambda m: paper_order.index(m) if m in paper_order else len(paper_order))
     order = sorted(set(finals) | set(unfinished), key=lambda s: (s[0] == "dirichlet", -s[1]))
-    print(f"{preset}: test accuracy % at the last step, mean (sample std, number of seeds)\n")
+    protocol = "full protocol (width 1, T = 3000)" if full else "shortened protocol"
+    print(f"{preset}, {protocol}: test accuracy % at the last step, mean (sample std, number of seeds)\n")
     print("| setting | " + " | ".join(methods) + " |")
     print("| --- | " + " | ".join("---" for _ in methods) + " |")
     for setting in order:
@@ -222,6 +228,8 @@ def parse_args(argv: list[str] | None = None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--heterogeneity", action="store_true", help="final accuracy against gamma and Dirichlet alpha")
+    mode.add_argument("--full", action="store_true", help="--heterogeneity over the full-protocol folders "
+                      "(<preset>-full-<setting>[-seedN]-<method>)")
     mode.add_argument("--robust", metavar="GAMMA", help="robust FBN vs robust naive BN at one gamma (0, 0.01, ...)")
     mode.add_argument("--summary", nargs="+", type=Path, metavar="RUN", help="per method and seed: final, mean of "
                       "the last 5 and 10 evaluations, best; then means over seeds")
@@ -234,8 +242,8 @@ def parse_args(argv: list[str] | None = None):
 
 if __name__ == "__main__":
     args = parse_args()
-    if args.heterogeneity:
-        heterogeneity(args.root)
+    if args.heterogeneity or args.full:
+        heterogeneity(args.root, full=args.full)
     elif args.robust is not None:
         robust(args.robust, args.root)
     elif args.summary:
