@@ -809,6 +809,61 @@ def test_run_info_records_the_resolved_precision_and_layout(tmp_path):
     assert json.loads((tmp_path / "b" / "run.json").read_text())["channels_last"] is True
 
 
+def _rounding_warnings(record):
+    return [str(w.message) for w in record if "float rounding" in str(w.message)]
+
+
+def test_run_json_records_where_each_session_trained_which_cells_and_warns_when_a_resume_trains_elsewhere(tmp_path):
+    # bit-equal resumes need the same CPU kernels and thread count: run.json says which session trained what, where
+    cfg = tiny_config()
+    run = tmp_path / "run"
+    with pytest.raises(Stop):
+        start_run(cfg, run, progress=stop_after(2))
+    first = json.loads((run / "run.json").read_text())["sessions"]
+    assert len(first) == 1 and first[0]["cells"] == {"fedavg/seed0": 0, "fedbn/seed0": 0}
+    assert first[0]["torch_threads"] == torch.get_num_threads() and first[0]["engine"] == "in-process"
+    assert first[0]["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and first[0]["device"] == "cpu"
+    with warnings.catch_warnings(record=True) as same:
+        warnings.simplefilter("always")
+        with pytest.raises(Stop):
+            resume_run(run, progress=stop_after(3))
+    assert _rounding_warnings(same) == []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        with warnings.catch_warnings(record=True) as other:
+            warnings.simplefilter("always")
+            resume_run(run)
+    finally:
+        torch.set_num_threads(threads)
+    [message] = _rounding_warnings(other)
+    assert f"torch_threads {threads} -> {threads + 1}" in message and "fedbn/seed0" in message
+    assert "fedavg" not in message  # finished before: nothing of it trains again
+    sessions = json.loads((run / "run.json").read_text())["sessions"]
+    assert [s["cells"] for s in sessions] == [{"fedavg/seed0": 0, "fedbn/seed0": 0}, {"fedbn/seed0": 2},
+                                             {"fedbn/seed0": 3}]
+    assert [s["torch_threads"] for s in sessions] == [threads, threads, threads + 1]
+    resume_run(run)  # finished: nothing trains, no session
+    assert len(json.loads((run / "run.json").read_text())["sessions"]) == 3
+
+
+def test_a_run_begun_before_sessions_were_recorded_is_compared_with_its_start(tmp_path):
+    cfg = tiny_config()
+    run = tmp_path / "run"
+    with pytest.raises(Stop):
+        start_run(cfg, run, progress=stop_after(2))
+    info = json.loads((run / "run.json").read_text())
+    del info["sessions"]
+    (run / "run.json").write_text(json.dumps(info | {"cpu_capability": "AVX2"}))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        resume_run(run)
+    [message] = _rounding_warnings(record)
+    assert f"cpu_capability AVX2 -> {torch.backends.cpu.get_cpu_capability()}" in message
+    assert "torch_threads" not in message  # the start did not record its threads
+    assert json.loads((run / "run.json").read_text())["sessions"][0]["cells"] == {"fedbn/seed0": 2}
+
+
 def test_a_damaged_config_or_checkpoint_is_named_not_replaced_by_defaults(tmp_path):
     from fednorm.runs.store import CorruptFileError
 

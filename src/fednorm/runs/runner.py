@@ -300,6 +300,8 @@ def run_cell(
     rounds, f = config.federation.rounds, config.federation
     external_names = {c.name for c in external_entries(split_external(clients)[1], config.external.modes)}
     label = method_cfg.display
+    if engine.round < rounds:
+        _record_cell_start(cell.parent.parent, label, seed, engine.round)
     if progress:
         progress(label, seed, engine.round, rounds, {})
     diverged: dict | None = None
@@ -741,6 +743,64 @@ def _write_run_info(run_dir: Path, data_dir: Path | None, config: ExperimentConf
     })
 
 
+# what sets a run's float rounding besides its config: two stretches of one cell trained under different values agree to
+# float rounding, not bit for bit (MKL's and oneDNN's kernels change with the CPU's instruction set; PyTorch's CPU
+# convolution gradients change in their last bits with the thread count: benchmarks/fbn.md, Dirichlet 0.1 FixBN)
+ROUNDING_KEYS = ("device", "gpu", "torch", "cpu_capability", "torch_threads")
+
+
+def training_environment(config: ExperimentConfig) -> dict:
+    """Where this process trains: the resolved device (and GPU), the torch build, the CPU's kernel set and the
+    number of threads torch computes with (``OMP_NUM_THREADS`` or ``torch.set_num_threads``)."""
+    device = resolved_hardware(config)
+    return {"device": device["device"], **({"gpu": device["gpu"]} if "gpu" in device else {}),
+            "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch_threads": torch.get_num_threads()}
+
+
+def record_session(run_dir: Path, config: ExperimentConfig) -> None:
+    """Append this run's or resume's entry to run.json's ``sessions``: when, on which host, and (in-process, where
+    this process trains) the training environment; each cell it trains adds its starting round (:func:`run_cell`).
+    Warns when cells resume from a checkpoint in another environment than the one that trained before: their
+    numbers then equal an uninterrupted run's to float rounding only."""
+    import datetime
+
+    info_path = run_dir / RUN_INFO_FILE
+    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    engine = trained_by(run_dir)
+    session = {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "host": socket.gethostname(), "engine": engine, "fednorm_version": __import__("fednorm").__version__}
+    if engine == "in-process":  # a Flower run trains on its nodes: the server's threads and CPU say nothing
+        session |= training_environment(config)
+        # the environment that trained last: the last session that trained a cell; runs begun before sessions were
+        # recorded have the start's torch and CPU kernels (not its threads) at run.json's top level
+        earlier = next((s for s in reversed(info.get("sessions", [])) if s.get("cells")), info)
+        changed = [f"{k} {earlier[k]} -> {session[k]}" for k in ROUNDING_KEYS
+                   if k in earlier and earlier.get(k) != session.get(k)]
+        resumed = [f"{m.display}/seed{seed}" for m in config.methods for seed in config.seeds
+                   if (store.cell_dir(run_dir, m.display, seed) / store.CHECKPOINT_FILE).exists()
+                   and finished_summary(store.cell_dir(run_dir, m.display, seed), config) is None]
+        if changed and resumed:
+            warnings.warn(
+                f"{run_dir}: {', '.join(resumed)} go(es) on from checkpoints trained with other settings of the "
+                f"machine ({'; '.join(changed)}), so from here their numbers equal an uninterrupted run's to float "
+                "rounding, not bit for bit; to match, resume where and as the run trained before (threads: "
+                "OMP_NUM_THREADS); run.json's sessions record each", stacklevel=3)
+    _update_run_info(run_dir, {"sessions": [*info.get("sessions", []), session | {"cells": {}}]})
+
+
+def _record_cell_start(run_dir: Path, label: str, seed: int, start_round: int) -> None:
+    """The round a cell starts training from in this session (0, or its checkpoint's), in run.json's last session."""
+    info_path = run_dir / RUN_INFO_FILE
+    if not info_path.exists():
+        return
+    info = json.loads(info_path.read_text())
+    if not info.get("sessions"):
+        return
+    info["sessions"][-1]["cells"][f"{label}/seed{seed}"] = start_round
+    _update_run_info(run_dir, {"sessions": info["sessions"]})
+
+
 def preflight(config: ExperimentConfig, clients: list[ClientData]) -> None:
     """Build every method's engine and score two samples with its model before the run folder is written, so a
     method, model or data that do not fit fail as a config error (which a resume could not get past once the
@@ -1077,6 +1137,8 @@ def execute(
         clients = build_federation_data(config, data_dir)
     if clients is not None:
         check_partitions(run_dir, clients)
+    if unfinished_cells(run_dir, config):
+        record_session(run_dir, config)
     results: list[CellResult] = []
     for method_cfg in config.methods:
         for seed in config.seeds:

@@ -3,7 +3,8 @@
 ```
 RUN_DIR/
   config.yaml                 resolved experiment config
-  run.json, partitions.json   where and how it ran; what every client holds (checked on resume)
+  run.json, partitions.json   where and how it ran (its sessions: each run or resume that trained, its host, CPU
+                              kernels and threads, each cell's starting round); what every client holds (checked on resume)
   .lock                       held by the process running it (a second run or resume is refused)
   results.md, results.json    the comparison table (methods x clients, mean (std) over seeds)
   comparison.png              average test accuracy and training loss over rounds, one line per method
