@@ -10,6 +10,7 @@ folder (:func:`preflight`).
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import io
 import json
@@ -758,13 +759,11 @@ def training_environment(config: ExperimentConfig) -> dict:
             "torch_threads": torch.get_num_threads()}
 
 
-def record_session(run_dir: Path, config: ExperimentConfig) -> None:
+def record_session(run_dir: Path, config: ExperimentConfig, todo: list[tuple[str, int]]) -> None:
     """Append this run's or resume's entry to run.json's ``sessions``: when, on which host, and (in-process, where
     this process trains) the training environment; each cell it trains adds its starting round (:func:`run_cell`).
-    Warns when cells resume from a checkpoint in another environment than the one that trained before: their
-    numbers then equal an uninterrupted run's to float rounding only."""
-    import datetime
-
+    Warns when cells of ``todo`` (:func:`unfinished_cells`) resume from a checkpoint in another environment than
+    the one that trained before: their numbers then equal an uninterrupted run's to float rounding only."""
     info_path = run_dir / RUN_INFO_FILE
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
     engine = trained_by(run_dir)
@@ -777,9 +776,8 @@ def record_session(run_dir: Path, config: ExperimentConfig) -> None:
         earlier = next((s for s in reversed(info.get("sessions", [])) if s.get("cells")), info)
         changed = [f"{k} {earlier[k]} -> {session[k]}" for k in ROUNDING_KEYS
                    if k in earlier and earlier.get(k) != session.get(k)]
-        resumed = [f"{m.display}/seed{seed}" for m in config.methods for seed in config.seeds
-                   if (store.cell_dir(run_dir, m.display, seed) / store.CHECKPOINT_FILE).exists()
-                   and finished_summary(store.cell_dir(run_dir, m.display, seed), config) is None]
+        resumed = [f"{label}/seed{seed}" for label, seed in todo
+                   if (store.cell_dir(run_dir, label, seed) / store.CHECKPOINT_FILE).exists()]
         if changed and resumed:
             warnings.warn(
                 f"{run_dir}: {', '.join(resumed)} go(es) on from checkpoints trained with other settings of the "
@@ -1133,12 +1131,13 @@ def execute(
 ) -> list[CellResult]:
     """Run every unfinished cell of ``run_dir``, then write the run's table and comparison plot. A run whose
     every cell finished builds no data (nothing trains): its table is written again from the summaries."""
-    if clients is None and unfinished_cells(run_dir, config):
+    todo = unfinished_cells(run_dir, config)
+    if clients is None and todo:
         clients = build_federation_data(config, data_dir)
     if clients is not None:
         check_partitions(run_dir, clients)
-    if unfinished_cells(run_dir, config):
-        record_session(run_dir, config)
+    if todo:
+        record_session(run_dir, config, todo)
     results: list[CellResult] = []
     for method_cfg in config.methods:
         for seed in config.seeds:
