@@ -265,6 +265,22 @@ def test_a_device_this_machine_lacks_exits_with_what_to_set(tmp_path, monkeypatc
     assert not (tmp_path / "r").exists()
 
 
+def test_a_run_warning_is_one_line_not_the_runners_file(tmp_path):
+    """A resume on another thread count than the checkpoints were trained with says so as one warning line."""
+    out = tmp_path / "r"
+    result = runner.invoke(app, ["run", *SETS, "--set", "methods=[fedavg]", "--set", "federation.rounds=1",
+                                 "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    info = json.loads((out / "run.json").read_text())
+    info["sessions"][-1]["torch_threads"] += 1  # as if trained with one thread more than this process has
+    (out / "run.json").write_text(json.dumps(info))
+    result = runner.invoke(app, ["resume", str(out), "--rounds", "2", "--quiet"])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert "warning: " in output and "fedavg/seed0 go(es) on from checkpoints" in output
+    assert "UserWarning" not in output and "runner.py" not in output
+
+
 def test_missing_data_folder_exits_with_a_clear_message(tmp_path):
     result = runner.invoke(app, ["run", *SETS, "--set", "data.domains=[usps]", "--data-dir", str(tmp_path / "none"),
                                  "--out", str(tmp_path / "r"), "--quiet"])

@@ -24,7 +24,7 @@ from ..runs.config import (ON_DIVERGENCE, ConfigError, ConfigWarning, apply_over
                            validate)
 from ..runs.store import CorruptFileError
 from ..runs.report import ResultsTable, build_table, collect_runs, no_finished_cell, read_summaries
-from ..runs.runner import (RunError, load_run_config, resolved_hardware, resume_run, start_run,
+from ..runs.runner import (RunError, RunWarning, load_run_config, resolved_hardware, resume_run, start_run,
                            unfinished_cells, with_device)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -45,8 +45,9 @@ _python_showwarning = warnings.showwarning
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """A ConfigWarning as one ``warning:`` line: its location would be pydantic's, which tells a user nothing."""
-    if issubclass(category, ConfigWarning):
+    """A ConfigWarning or RunWarning as one ``warning:`` line: its location (pydantic's, the runner's) tells a user
+    nothing."""
+    if issubclass(category, (ConfigWarning, RunWarning)):
         err_console.print(f"[bold yellow]warning:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
     else:
         _python_showwarning(message, category, filename, lineno, file, line)

@@ -60,6 +60,10 @@ class RunError(RuntimeError):
     """A run folder cannot be created or resumed; the message says why and what to do."""
 
 
+class RunWarning(UserWarning):
+    """Something about a run folder a user should know while it goes on (the CLI prints it as one line)."""
+
+
 @dataclass
 class CellResult:
     label: str
@@ -265,7 +269,7 @@ def set_aside_metrics_without_checkpoint(metrics_path: Path) -> Path | None:
     metrics_path.rename(kept)
     warnings.warn(f"{metrics_path.parent} has metrics up to round {max(r['round'] for r in records)} but no "
                   f"{store.CHECKPOINT_FILE}, so it trains again from round 0; its earlier metrics are kept in "
-                  f"{kept.name}", stacklevel=3)
+                  f"{kept.name}", RunWarning, stacklevel=3)
     return kept
 
 
@@ -783,7 +787,7 @@ def record_session(run_dir: Path, config: ExperimentConfig, todo: list[tuple[str
                 f"{run_dir}: {', '.join(resumed)} go(es) on from checkpoints trained with other settings of the "
                 f"machine ({'; '.join(changed)}), so from here their numbers equal an uninterrupted run's to float "
                 "rounding, not bit for bit; to match, resume where and as the run trained before (threads: "
-                "OMP_NUM_THREADS); run.json's sessions record each", stacklevel=3)
+                "OMP_NUM_THREADS); run.json's sessions record each", RunWarning, stacklevel=3)
     _update_run_info(run_dir, {"sessions": [*info.get("sessions", []), session | {"cells": {}}]})
 
 
@@ -839,7 +843,7 @@ def run_lock(run_dir: Path):
                        "this folder") from None
     except OSError as exc:  # a filesystem without locks (NFS without lockd, some FUSE mounts): run unlocked
         warnings.warn(f"{run_dir}: cannot lock the run folder ({exc}); nothing stops a second process from "
-                      "resuming it at the same time", stacklevel=3)
+                      "resuming it at the same time", RunWarning, stacklevel=3)
     try:
         fh.seek(0)
         fh.truncate()
