@@ -122,6 +122,27 @@ def test_robust_fbn_resists_sign_flip_while_averaging_is_pulled_away(seed, name,
     assert rob_err < 0.01 * plain_err
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("name", ["median", "trimmed_mean"])
+def test_robust_fbn_statistics_are_rm_and_rv_with_every_average_replaced_by_hand(seed, name):
+    """Under sign flipping (f = 3 of 10): m = Agg(m_i), v = Agg(v_i) + Kn/((Kn-1) beta) Agg((m_i - m)^2), the
+    deviations from the robust m, Kn counting all ten clients; Agg by sorting each coordinate by hand (median of
+    ten: mean of the 5th and 6th; trimmed mean: mean of the 4th to 7th). Dropping the between-client term misses
+    by that term, which the honest clients' spread makes non-negligible."""
+    f = 3
+    ms, vs, beta, k = _honest_stats(seed)
+    bm, bv = attack_statistics("sign_flip", ms, vs, f)
+    all_m, all_v = torch.cat([ms, bm]), torch.cat([vs, bv])
+    keep = slice(4, 6) if name == "median" else slice(f, 10 - f)
+    agg = lambda rows: rows.sort(dim=0).values[keep].mean(dim=0)  # noqa: E731
+    m = agg(all_m)
+    between = k * 10 / ((k * 10 - 1) * beta) * agg((all_m - m) ** 2)
+    rob_m, rob_v = aggregate_fbn(all_m, all_v, beta, k, aggregator=robust_aggregator(name, f))
+    _close(rob_m, m)
+    _close(rob_v, agg(all_v) + between)
+    assert (between > 1e-3).all()
+
+
 @pytest.mark.parametrize("attack,kw", [("sign_flip", {}), ("sign_flip", {"own": True}),
                                        ("fall_of_empires", {}), ("fall_of_empires", {"eps": 5.0}),
                                        ("a_little_is_enough", {}), ("a_little_is_enough", {"z": 50.0})])

@@ -207,12 +207,12 @@ def linear(seed=0):
     return nn.Sequential(nn.Flatten(), nn.Linear(12, 3))
 
 
-def grad_at(model, params, x, y):
+def grad_at(model, params, x, y, loss_fn=F.cross_entropy):
     probe = copy.deepcopy(model)
     with torch.no_grad():
         for p, v in zip(probe.parameters(), params):
             p.copy_(v)
-    loss = F.cross_entropy(probe(x), y)
+    loss = loss_fn(probe(x), y)
     return [g.detach() for g in torch.autograd.grad(loss, list(probe.parameters()))], float(loss.detach())
 
 
@@ -263,6 +263,64 @@ def test_perfedavg_hessian_free_step_matches_the_finite_difference_formula():
     hvp = torch.autograd.grad(sum((gi * ui).sum() for gi, ui in zip(g, u)), list(probe.parameters()))
     for di, hi in zip(d, hvp):
         torch.testing.assert_close(di, hi, rtol=0.05, atol=2e-3)
+
+
+def meta_gradient(model, theta, x, y, alpha, loss_fn=F.cross_entropy):
+    """Per-FedAvg (FO)'s gradient at theta on a batch split in halves: grad f(theta - alpha grad f(theta; D); D')."""
+    half = len(y) // 2
+    g_d, _ = grad_at(model, theta, x[:half], y[:half], loss_fn)
+    temp = [t - alpha * g for t, g in zip(theta, g_d)]
+    return grad_at(model, temp, x[half:], y[half:], loss_fn)
+
+
+def test_perfedavg_with_weight_perturbation_steps_on_the_meta_gradient_at_the_perturbed_point():
+    """HarmoFL's perturbation composed with Per-FedAvg: delta = rho m(theta) / ||m(theta)|| from the meta-gradient
+    m, then theta <- theta - beta m(theta + delta) (not the plain gradient at theta + delta)."""
+    data = tiny_split(8, 7)
+    model = linear(3)
+    theta = [p.detach().clone() for p in model.parameters()]
+    alpha, beta, rho = 0.05, 0.2, 0.5
+    algo = ClientSpec("perfedavg", perfedavg_alpha=alpha).build()
+    train_locally(model, data, LocalTraining(batch_size=8, lr=beta), generator=torch.Generator(), prepare=prepare,
+                  schedule=[torch.arange(8)], algorithm=algo, context=context(model, lr=beta),
+                  weight_perturbation=rho)
+    x, y = prepare(data.x), data.y
+    m, _ = meta_gradient(model, theta, x, y, alpha)
+    norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in m]))
+    perturbed = [t + rho * g / norm for t, g in zip(theta, m)]
+    m_delta, _ = meta_gradient(model, perturbed, x, y, alpha)
+    for p, t, g in zip(model.parameters(), theta, m_delta):
+        torch.testing.assert_close(p.detach(), t - beta * g, rtol=1e-5, atol=1e-6)
+    plain, _ = grad_at(model, perturbed, x, y)  # what the step took before: the plain loss at theta + delta
+    assert max(float((a - b).abs().max()) for a, b in zip(m_delta, plain)) > 1e-3
+
+
+def test_perfedavg_trains_and_adapts_with_the_runs_loss():
+    """A run with the focal loss (ISIC 2019's) gives Per-FedAvg's inner, outer and evaluation steps that loss."""
+    from fednorm.methods.tasks import Task
+
+    task = Task(loss_name="focal", focal_alpha=(0.2, 0.5, 0.3))
+    data = tiny_split(8, 4)
+    model = linear(4)
+    theta = [p.detach().clone() for p in model.parameters()]
+    alpha, beta = 0.3, 0.5
+    algo = ClientSpec("perfedavg", perfedavg_alpha=alpha, perfedavg_eval_steps=1, perfedavg_eval_batch=8,
+                      perfedavg_eval_data="train").build()
+    ctx = context(model, lr=beta)
+    ctx.task = task
+    train_locally(model, data, LocalTraining(batch_size=8, lr=beta, task=task), generator=torch.Generator(),
+                  prepare=prepare, schedule=[torch.arange(8)], algorithm=algo, context=ctx)
+    x, y = prepare(data.x), data.y
+    m, _ = meta_gradient(model, theta, x, y, alpha, task.loss)
+    trained = [t - beta * g for t, g in zip(theta, m)]
+    for p, t in zip(model.parameters(), trained):
+        torch.testing.assert_close(p.detach(), t, rtol=1e-5, atol=1e-6)
+    algo.adapt_for_evaluation(model, ClientData("c", "d", data, data), prepare, lr=0.0, task=task)
+    g, _ = grad_at(model, trained, x, y, task.loss)
+    for p, t, gi in zip(model.parameters(), trained, g):
+        torch.testing.assert_close(p.detach(), t - alpha * gi, rtol=1e-5, atol=1e-6)
+    g_ce, _ = grad_at(model, trained, x, y)
+    assert max(float((a - b).abs().max()) for a, b in zip(g, g_ce)) > 1e-3  # the focal loss is not CE here
 
 
 @pytest.mark.parametrize("variant", ["fo", "hf"])

@@ -370,7 +370,8 @@ class InProcessEngine:
                 # own samples (the validation metric picks the reported round: it must not see test labels)
                 if not loaded or self.algorithm.adapts_at_evaluation:
                     self.load_client(client.name)
-                    self.algorithm.adapt_for_evaluation(self.model, client, prepare, self.training.lr, split)
+                    self.algorithm.adapt_for_evaluation(self.model, client, prepare, self.training.lr, split,
+                                                        task=self.training.task)
                     if self.recomputes_bn_statistics:
                         self.recompute_bn_statistics(client, prepare)
                     loaded = True
@@ -464,7 +465,8 @@ class InProcessEngine:
         local = [self.local_states[c.name] for c in self.clients if c.name in self.local_states]
         states = self.external_affine or (local if self.bn_affine_is_local else []) or [self.global_state]
         self.model.load_state_dict(self.global_state)
-        self.algorithm.adapt_for_evaluation(self.model, client, prepare, self.training.lr, "test")
+        self.algorithm.adapt_for_evaluation(self.model, client, prepare, self.training.lr, "test",
+                                             task=self.training.task)
         data = client.test
         held = self.algorithm.evaluation_holdout(client, "test")
         if held is not None:

@@ -176,7 +176,8 @@ class ClientAlgorithm:
     # whether adapt_for_evaluation changes the model: the engine then reloads the client before each split
     adapts_at_evaluation = False
 
-    def adapt_for_evaluation(self, model: nn.Module, data, prepare, lr: float, split: str = "test") -> None:
+    def adapt_for_evaluation(self, model: nn.Module, data, prepare, lr: float, split: str = "test",
+                             task=None) -> None:
         """Change the loaded model of a client in place just before its ``split`` is evaluated (Per-FedAvg's
         personalization steps). By default nothing: the client is evaluated as it is."""
 
@@ -477,6 +478,11 @@ class FedDC(Scaffold):
         return out
 
 
+def _task_loss(task):
+    """The run's training loss (focal loss, class weights, ...); cross-entropy where no task is given."""
+    return F.cross_entropy if task is None else task.loss
+
+
 def _bn_in_training(model: nn.Module) -> bool:
     return any(isinstance(m, _BatchNorm) and m.training for m in model.modules())
 
@@ -498,7 +504,9 @@ class PerFedAvg(ClientAlgorithm):
     per part for a BN model in training mode, fewer than 1 otherwise) is used whole for every part. The
     forwards on D and D' update BN running statistics as any training forward does; HF's perturbed forwards
     do not (buffers are restored). The step's reported loss is f(theta'; D'), the meta-objective. All trainable
-    parameters take part (client-specific BN included: the personalization covers the whole local model).
+    parameters take part (client-specific BN included: the personalization covers the whole local model). f is the
+    run's training loss (``task.loss``: cross-entropy, or e.g. ISIC 2019's focal loss), in training and at evaluation.
+    With weight perturbation (HarmoFL) the step's gradient is this meta-gradient at the perturbed weights.
 
     At evaluation (``adapt_for_evaluation``) the client's model takes ``perfedavg_eval_steps`` SGD steps with
     lr alpha, each on the same ``perfedavg_eval_batch`` labelled samples (a seeded draw) of the split being
@@ -518,19 +526,20 @@ class PerFedAvg(ClientAlgorithm):
         params = [p for p in model.parameters() if p.requires_grad]
         start = [p.detach().clone() for p in params]
         (x_d, y_d), (x_o, y_o) = parts[0], parts[1]
-        inner = F.cross_entropy(forward(x_d).float(), y_d)
+        loss = _task_loss(ctx.task)
+        inner = loss(forward(x_d).float(), y_d)
         grads = torch.autograd.grad(inner, params, allow_unused=True)
         with torch.no_grad():
             for p, g in zip(params, grads):
                 if g is not None:
                     p.sub_(g.to(p.dtype), alpha=spec.perfedavg_alpha)  # theta' = theta - alpha grad f(theta; D)
-        outer = F.cross_entropy(forward(x_o).float(), y_o)
+        outer = loss(forward(x_o).float(), y_o)
         u = torch.autograd.grad(outer, params, allow_unused=True)
         with torch.no_grad():
             for p, s in zip(params, start):
                 p.copy_(s)
         if hf:
-            d = self._hessian_vector(model, params, u, parts[2], forward)
+            d = self._hessian_vector(model, params, u, parts[2], forward, loss)
             u = [None if ui is None else ui - spec.perfedavg_alpha * di for ui, di in zip(u, d)]
         for p, g in zip(params, u):
             p.grad = None if g is None else g.detach().to(p.dtype)
@@ -544,7 +553,7 @@ class PerFedAvg(ClientAlgorithm):
             return [(x, y)] * parts
         return [(x[c], y[c]) for c in torch.tensor_split(torch.arange(n), parts)]
 
-    def _hessian_vector(self, model, params, u, piece, forward) -> list[Tensor]:
+    def _hessian_vector(self, model, params, u, piece, forward, loss_fn) -> list[Tensor]:
         """HF's [grad f(theta + delta u; D'') - grad f(theta - delta u; D'')] / (2 delta), buffers untouched."""
         delta = self.spec.perfedavg_delta
         x_h, y_h = piece
@@ -556,7 +565,7 @@ class PerFedAvg(ClientAlgorithm):
                 with torch.no_grad():
                     for p, s, v in zip(params, start, vectors):
                         p.copy_(s + sign * delta * v.to(p.dtype))
-                loss = F.cross_entropy(forward(x_h).float(), y_h)
+                loss = loss_fn(forward(x_h).float(), y_h)
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
                 sides.append([torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads)])
         with torch.no_grad():
@@ -577,7 +586,8 @@ class PerFedAvg(ClientAlgorithm):
             return data
         return getattr(data, split if self.spec.perfedavg_eval_data == "test" else "train", None)
 
-    def adapt_for_evaluation(self, model: nn.Module, data, prepare, lr: float, split: str = "test") -> None:
+    def adapt_for_evaluation(self, model: nn.Module, data, prepare, lr: float, split: str = "test",
+                             task=None) -> None:
         """``perfedavg_eval_steps`` SGD steps with lr alpha (not the engine's ``lr``, which is beta) on the
         evaluation batch of ``data`` (a ClientData: its ``split``, or its train split with
         ``perfedavg_eval_data="train"``; a Split: that split)."""
@@ -592,7 +602,8 @@ class PerFedAvg(ClientAlgorithm):
             raise ValueError("Per-FedAvg's evaluation step needs at least 2 labelled samples for a BatchNorm model "
                              f"(its {name if spec.perfedavg_eval_data == 'test' else 'train'} split gives {len(index)})")
         x = prepare(split.x[index])
-        y = split.y[index].to(x.device)
+        y = (split.y[index] if task is None else task.target(split.y[index])).to(x.device)
+        loss = _task_loss(task)
         was_training = model.training
         model.train()  # a local SGD step: BN uses batch statistics and updates its running ones
         params = [p for p in model.parameters() if p.requires_grad]
@@ -600,7 +611,7 @@ class PerFedAvg(ClientAlgorithm):
         with torch.enable_grad():
             for _ in range(spec.perfedavg_eval_steps):
                 optimizer.zero_grad(set_to_none=True)
-                F.cross_entropy(model(x).float(), y).backward()
+                loss(model(x).float(), y).backward()
                 optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         model.train(was_training)

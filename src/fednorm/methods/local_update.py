@@ -346,7 +346,9 @@ def train_locally(
             optimizer.zero_grad(set_to_none=True)
             try:
                 with buffers_kept(model):
-                    training_loss(x, y).backward()
+                    # the algorithm's own gradient (Per-FedAvg's meta-gradient) where it replaces the plain one
+                    if custom is None or algorithm.compute_gradients(context, model, x, y, forward) is None:
+                        training_loss(x, y).backward()
             finally:
                 perturbation.restore()  # the step starts from theta, with the gradient of theta + delta
         if prox and not (prox_skip_epoch_start and step % per_epoch == 0):

@@ -145,8 +145,8 @@ def fednova_norm(num_steps: int, schedule: LocalSchedule) -> float:
     FedProx's mu. With both, the momentum form is used (the paper gives no joint formula; the official code,
     JYWa/FedNova, has its own joint recursion for a solver that adds the proximal term after momentum, and takes
     tau_eff = sum_k p_k tau_k whenever mu != 0: not reproduced). An Adam client (momentum 0 in the schedule) is
-    normalized by tau, the plain-SGD form: FedNova defines a_k for SGD-type solvers only; this is our choice for
-    HarmoFL's Adam presets. The momentum form assumes the momentum buffer starts each round at zero, as the
+    normalized as plain SGD, by tau (or by the FedProx form when mu > 0): FedNova defines a_k for SGD-type solvers
+    only; this is our choice for HarmoFL's Adam presets. The momentum form assumes the momentum buffer starts each round at zero, as the
     official code resets it; with ``federation.persistent_optimizer`` (HarmoFL's presets, whose code keeps each
     client's optimizer) the carried-over buffer also moves the weights, so a_k is then an approximation."""
     tau, rho = num_steps, schedule.momentum
