@@ -334,6 +334,40 @@ def test_domainnet_without_fedbn_lists_uses_the_official_split_files(tmp_path):
                                   domains=["clipart"])
 
 
+def test_domainnet_lists_that_cannot_be_fetched_fall_back_only_to_the_official_split_files(tmp_path, monkeypatch):
+    """FedBN's domainnet_dataset.zip unreachable (HTTP 404 here): the official <domain>_train.txt / _test.txt
+    give the split, with a warning; without them the run stops rather than invent test sets, and says what to do."""
+    raw = tmp_path / "raw"
+    lists = _domainnet_zips(raw, np.random.default_rng(6))
+    (raw / "domainnet_dataset.zip").unlink()
+    served = tmp_path / "served"
+    served.mkdir()
+    with serve_folder(served) as server:
+        gone = RawFile(server.url("domainnet_dataset.zip"), "domainnet_dataset.zip")
+        monkeypatch.setitem(prepare.DOMAINNET_SOURCES, "lists", gone)
+        with pytest.raises(DataError) as stop:
+            prepare.prepare_domainnet(tmp_path / "d1", raw_dir=raw, progress=False, size=SIZE, domains=["clipart"])
+        message = str(stop.value)
+        for needed in ("domainnet_dataset.zip", gone.url, str(raw), "clipart_train.txt, clipart_test.txt",
+                       "--no-download", "HTTP 404"):
+            assert needed in message
+        assert not (tmp_path / "d1" / f"domainnet/clipart_{SIZE}.npz").exists()
+
+        for part, (paths, _) in lists.items():
+            (raw / f"clipart_{part}.txt").write_text("".join(f"{p.removeprefix('DomainNet/')} {i}\n"
+                                                             for i, p in enumerate(paths)))
+        data = tmp_path / "data"
+        with pytest.warns(UserWarning) as caught:
+            prepare.prepare_domainnet(data, raw_dir=raw, progress=False, size=SIZE, domains=["clipart"])
+        said = " | ".join(str(w.message) for w in caught)
+        assert "could not be fetched" in said and "official train/test split" in said
+        assert [e["path"] for e in server.log] == ["/domainnet_dataset.zip"] * 2
+    train, test = load_domain(f"domainnet/clipart@{SIZE}", data_dir=data).parts()
+    assert [DOMAINNET.classes[i] for i in train.y.tolist()] == lists["train"][1]
+    assert [DOMAINNET.classes[i] for i in test.y.tolist()] == lists["test"][1]
+    assert "official train/test split" in _manifest(data)[f"domainnet_clipart_{SIZE}"]["source"]
+
+
 def test_domainnet_protocol_fractions_and_missing_zip_download(tmp_path, monkeypatch):
     raw = tmp_path / "raw"
     _domainnet_zips(raw, np.random.default_rng(4), "sketch", n_train=220, n_test=4)

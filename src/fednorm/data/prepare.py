@@ -649,6 +649,23 @@ def prepare_office_caltech10(data_dir: Path, *, raw_dir: Path | None = None, dow
         return [_write_object_domain(ds, data_dir, raw, d, size, progress, hint, note) for d in wanted]
 
 
+def _without_fedbn_lists(raw_dir: Path, wanted: list[str], found_lists, failure: DataError) -> None:
+    """FedBN's ``domainnet_dataset.zip`` could not be had (``failure``): go on, with a warning, only if
+    DomainNet's official ``<domain>_train.txt`` / ``_test.txt`` give every wanted domain its split; a
+    seeded split of our own would silently change the benchmark's test sets, so otherwise stop."""
+    lists = DOMAINNET_SOURCES["lists"]
+    official = [f"{d}_{part}.txt" for d in wanted for part in ("train", "test")]
+    missing = [name for name in official if name not in found_lists]
+    if missing:
+        raise DataError(
+            f"FedBN's DomainNet split lists {lists.filename} could not be fetched ({failure}), and {raw_dir} "
+            f"lacks DomainNet's official split file(s) {', '.join(missing)}. Put {lists.filename} ({lists.url}) "
+            f"or the official <domain>_train.txt / _test.txt into {raw_dir}; to split the images 80/20 with "
+            f"seed {OWN_SPLIT_SEED} instead (not FedBN's test sets), run again with --no-download.") from failure
+    warnings.warn(f"FedBN's DomainNet lists {lists.filename} could not be fetched ({failure}); using DomainNet's "
+                  f"official split files in {raw_dir} instead", stacklevel=3)
+
+
 def prepare_domainnet(data_dir: Path, *, raw_dir: Path | None = None, download: bool = True,
                       progress: bool = True, size: int = DEFAULT_SIZE, domains=None) -> list[Path]:
     """Write ``domainnet/<domain>_<size>.npz`` (FedBN's ten classes) for each domain; returns the paths.
@@ -676,7 +693,11 @@ def prepare_domainnet(data_dir: Path, *, raw_dir: Path | None = None, download: 
         hint = f"Download {src.url} (official DomainNet {d}) into {{raw_dir}}, or allow downloading."
         fetched.append(_fetch(src, raw_dir, download=download, progress=progress, hint=hint))
     if need_lists and (download or (raw_dir / lists.filename).is_file()):
-        fetched.append(_fetch(lists, raw_dir, download=download, progress=progress, hint=""))
+        try:
+            fetched.append(_fetch(lists, raw_dir, download=download, progress=progress, hint=""))
+        except DataError as failure:
+            with RawImages(raw_dir) as raw:
+                _without_fedbn_lists(raw_dir, wanted, raw.lists, failure)
     hint = (f"Put the official DomainNet zips ({_VISDA}...) and FedBN's {lists.filename} ({lists.url}) "
             f"into {raw_dir}, or allow downloading.")
     with RawImages(raw_dir) as raw:
