@@ -1,4 +1,4 @@
-"""Prostate MRI: tiny NIfTI-1 volumes in the SAML layout, HarmoFL's slice extraction and split."""
+"""Prostate MRI: reading NIfTI volumes, tiny volumes in the SAML layout, HarmoFL's slice extraction and split."""
 
 from __future__ import annotations
 
@@ -41,16 +41,62 @@ def _expected_count(depths, empty=(0, 3)):
     return sum(sum(1 for k in range(1, d - 1) if k not in empty) for d in depths)
 
 
-def test_nifti_reader_matches_the_spec_and_nibabel(tmp_path):
+def test_nifti_reader_reads_files_built_from_the_spec(tmp_path):
+    """Files written byte by byte from the NIfTI-1 spec (helpers.write_nifti, no nibabel): the file's
+    datatype is kept when unscaled, float64 when scl_slope / scl_inter are set."""
     vol = np.arange(2 * 3 * 4, dtype=np.int16).reshape(2, 3, 4)
-    assert np.array_equal(read_nifti(write_nifti(tmp_path / "a.nii.gz", vol)), vol)
+    plain = read_nifti(write_nifti(tmp_path / "a.nii.gz", vol))
+    assert plain.dtype == np.int16 and np.array_equal(plain, vol)
     scaled = read_nifti(write_nifti(tmp_path / "b.nii", vol, slope=2.0, inter=1.0))
-    assert np.array_equal(scaled, vol * 2.0 + 1.0)
+    assert scaled.dtype == np.float64 and np.array_equal(scaled, vol * 2.0 + 1.0)
+    scaled = read_nifti(write_nifti(tmp_path / "c.nii", vol.astype(np.float32), slope=0.5, inter=-3.0))
+    assert scaled.dtype == np.float64 and np.array_equal(scaled, vol * 0.5 - 3.0)
+    mask = (np.arange(4 * 5 * 6) % 3).astype(np.uint8).reshape(4, 5, 6)
+    read = read_nifti(write_nifti(tmp_path / "m.nii.gz", mask))
+    assert read.dtype == np.uint8 and np.array_equal(read, mask)
+    squeezed = read_nifti(write_nifti(tmp_path / "f.nii", vol[..., None].astype(np.float32)))
+    assert squeezed.shape == (2, 3, 4) and squeezed.dtype == np.float32 and np.array_equal(squeezed, vol)
+
+
+def test_nifti_volumes_are_read_in_ijk_order_with_scaling(tmp_path):
     nib = pytest.importorskip("nibabel")
-    assert np.array_equal(np.asarray(nib.load(tmp_path / "a.nii.gz").dataobj), vol)
-    img = nib.Nifti1Image(np.random.default_rng(0).normal(size=(5, 6, 7)).astype(np.float32), np.eye(4))
-    nib.save(img, tmp_path / "c.nii.gz")
-    assert np.array_equal(read_nifti(tmp_path / "c.nii.gz"), img.get_fdata(dtype=np.float32))
+    raw = np.arange(3 * 4 * 5, dtype=np.int16).reshape(3, 4, 5) * 7 - 100  # distinct values, no two axes alike
+    img = nib.Nifti1Image(raw, np.eye(4))
+    img.header.set_slope_inter(2.0, 1.0)
+    path = tmp_path / "scaled.nii.gz"
+    nib.save(img, path)
+    on_disk = nib.load(path)  # the file holds the raw voxels and the scaling in its header
+    assert on_disk.header["sizeof_hdr"] == 348 and on_disk.header["dim"][0] == 3
+    assert (on_disk.dataobj.slope, on_disk.dataobj.inter) == (2.0, 1.0)
+    assert np.array_equal(on_disk.dataobj.get_unscaled(), raw)
+    vol = read_nifti(path)
+    assert vol.shape == (3, 4, 5) and vol.dtype == np.float64
+    assert np.array_equal(vol, 2.0 * raw + 1.0)
+    assert vol[2, 1, 0] == 2 * raw[2, 1, 0] + 1 and vol[0, 3, 4] == 2 * raw[0, 3, 4] + 1  # [i, j, k]
+
+    values = np.random.default_rng(0).normal(size=(4, 3, 5)).astype(np.float32)
+    path2 = tmp_path / "four_d.nii"
+    nib.save(nib.Nifti2Image(values[..., None], np.eye(4)), path2)
+    on_disk = nib.load(path2)
+    assert isinstance(on_disk, nib.Nifti2Image) and on_disk.header["sizeof_hdr"] == 540
+    assert on_disk.shape == (4, 3, 5, 1)
+    vol = read_nifti(path2)
+    assert vol.shape == (4, 3, 5) and vol.dtype == np.float32
+    assert np.array_equal(vol, values)
+    path3 = tmp_path / "four_d.nii.gz"  # NIfTI-2 gzipped
+    nib.save(nib.Nifti2Image(values[..., None], np.eye(4)), path3)
+    assert np.array_equal(read_nifti(path3), values)
+
+
+def test_big_endian_nifti_comes_back_in_native_byte_order(tmp_path):
+    nib = pytest.importorskip("nibabel")
+    vol = np.arange(24, dtype=np.int16).reshape(2, 3, 4)
+    header = nib.Nifti1Header(endianness=">")
+    header.set_data_dtype(np.int16)
+    nib.save(nib.Nifti1Image(vol, np.eye(4), header=header), tmp_path / "be.nii")
+    assert (tmp_path / "be.nii").read_bytes()[:4] == (348).to_bytes(4, "big")
+    read = read_nifti(tmp_path / "be.nii")
+    assert read.dtype.isnative and np.array_equal(read, vol)
 
 
 def test_nifti_errors_name_the_file(tmp_path):
@@ -59,13 +105,44 @@ def test_nifti_errors_name_the_file(tmp_path):
     (tmp_path / "short.nii").write_bytes(data[:500])
     with pytest.raises(DataError, match="truncated") as info:
         read_nifti(tmp_path / "short.nii")
-    assert "short.nii" in str(info.value)
+    assert "short.nii" in str(info.value) and "fednorm data prepare prostate" in str(info.value)
     (tmp_path / "bad.nii.gz").write_bytes(path.read_bytes()[:30])
     with pytest.raises(DataError, match="bad.nii.gz"):
         read_nifti(tmp_path / "bad.nii.gz")
     (tmp_path / "text.nii").write_bytes(b"x" * 400)
-    with pytest.raises(DataError, match="not a NIfTI-1"):
+    with pytest.raises(DataError, match="not a readable NIfTI-1 or NIfTI-2") as info:
         read_nifti(tmp_path / "text.nii")
+    assert "text.nii" in str(info.value)
+    with pytest.raises(DataError, match="missing") as info:
+        read_nifti(tmp_path / "absent.nii.gz")
+    assert "absent.nii.gz" in str(info.value) and "fednorm data prepare prostate" in str(info.value)
+
+
+def test_truncated_or_corrupt_nifti_raises_data_error_naming_the_file(tmp_path):
+    nib = pytest.importorskip("nibabel")
+    vol = np.random.default_rng(3).normal(500, 100, (32, 32, 12)).astype(np.int16)
+    good = tmp_path / "good.nii.gz"
+    nib.save(nib.Nifti1Image(vol, np.eye(4)), good)
+    assert np.array_equal(read_nifti(good), vol)
+    compressed = good.read_bytes()
+    for name, content in [("cut.nii.gz", compressed[: len(compressed) * 2 // 3]),  # cut in the voxels
+                          ("no_trailer.nii.gz", compressed[:-4]),  # voxels complete, gzip length missing
+                          ("cut.nii", gzip.decompress(compressed)[:-100])]:
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(DataError, match="truncated") as info:
+            read_nifti(tmp_path / name)
+        assert str(tmp_path / name) in str(info.value) and "fednorm data prepare prostate" in str(info.value)
+    # one flipped byte in the voxels' deflate stream: nibabel alone reads it without error (wrong voxels)
+    flipped = bytearray(compressed)
+    flipped[len(flipped) // 2] ^= 0x01
+    (tmp_path / "flipped.nii.gz").write_bytes(bytes(flipped))
+    with pytest.raises(DataError, match="corrupt") as info:
+        read_nifti(tmp_path / "flipped.nii.gz")
+    assert "flipped.nii.gz" in str(info.value)
+    nib.save(nib.Nifti1Pair(vol, np.eye(4)), tmp_path / "pair.img")  # two files: .hdr + .img
+    with pytest.raises(DataError, match="not a single-file NIfTI") as info:
+        read_nifti(tmp_path / "pair.hdr")
+    assert "pair.hdr" in str(info.value)
 
 
 def test_volume_slices_follow_harmofl_exactly():
@@ -161,3 +238,20 @@ def test_missing_files_say_what_to_download(tmp_path):
         prepare_prostate(tmp_path / "data", raw_dir=raw, download=False, harmofl_order=False, sites=("ISBI",))
     with pytest.raises(ValueError, match="prostate site"):
         prepare_prostate(tmp_path / "data", raw_dir=raw, download=False, sites=("Prostate",))
+
+
+def test_negative_mask_labels_name_the_mask_file(tmp_path):
+    raw = tmp_path / "raw"
+    _site(raw, "UCL", [6])
+    rng = np.random.default_rng(0)
+    image, mask = _volume(rng, 6)
+    bad = mask.astype(np.int16)
+    bad[0, 0, 2] = -1
+    write_nifti(raw / "UCL" / "Case00_segmentation.nii.gz", bad)
+    with pytest.raises(DataError, match="negative labels") as info:
+        prepare_prostate(tmp_path / "data", raw_dir=raw, download=False, harmofl_order=False, sites=("UCL",))
+    message = str(info.value)
+    assert str(raw / "UCL" / "Case00_segmentation.nii.gz") in message
+    assert "fednorm data prepare prostate" in message and "liuquande.github.io/SAML" in message
+    with pytest.raises(DataError, match="the mask of vol"):
+        pro.volume_slices(image, bad, "vol", size=IJ)

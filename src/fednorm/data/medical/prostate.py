@@ -5,7 +5,9 @@ https://liuquande.github.io/SAML/), six sources from NCI-ISBI 2013, I2CVB and PR
 resampled to 384 x 384 in the axial plane. It is shared through a Google Drive link, so it is put in
 place by hand: folders ``BIDMC``, ``HK``, ``I2CVB``, ``ISBI``, ``ISBI_1.5``, ``UCL``, each holding
 ``CaseNN.nii.gz`` volumes and ``CaseNN_segmentation.nii.gz`` (some sites: ``_Segmentation``)
-masks. Volumes are read with the small NIfTI-1 reader of :mod:`.nifti` (no nibabel/SimpleITK).
+masks. Volumes are read with nibabel (:func:`.nifti.read_nifti`, indexed ``[i, j, k]``); HarmoFL's code
+reads them with SimpleITK, whose ``GetArrayFromImage`` is the transpose ``[k, j, i]``, the order
+:func:`volume_slices` extracts the slices in.
 
 Slice extraction follows HarmoFL's official code (med-air/HarmoFL ``utils/dataset.py``,
 ``Prostate``) exactly:
@@ -101,18 +103,23 @@ def to_uint8_volume(volume: np.ndarray, what: str) -> np.ndarray:
 
 
 def volume_slices(image_ijk: np.ndarray, mask_ijk: np.ndarray, what: str,
-                  size: int = PROSTATE_SIZE) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  size: int = PROSTATE_SIZE, *, mask_what: str | None = None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """2.5-D samples of one volume: images (n, size, size, 3) uint8, masks (n, size, size) uint8
-    and the slice numbers, for the slices with a non-empty mask (HarmoFL's rule)."""
+    and the slice numbers, for the slices with a non-empty mask (HarmoFL's rule). ``what`` names
+    the image (its file) in errors, ``mask_what`` the mask (default: "the mask of <what>")."""
+    mask_what = mask_what if mask_what is not None else f"the mask of {what}"
     if image_ijk.shape != mask_ijk.shape or image_ijk.ndim != 3:
         raise DataError(f"{what}: the image {image_ijk.shape} and its mask {mask_ijk.shape} must be 3-D "
                         "volumes of the same shape.")
     # SimpleITK's GetArrayFromImage order [k, j, i], as the official code sees the volume.
     image = to_uint8_volume(np.transpose(image_ijk, (2, 1, 0)), what)
     mask = np.transpose(mask_ijk, (2, 1, 0))
-    mask = np.where(mask > 1, 1, mask)
     if mask.min() < 0:
-        raise DataError(f"{what}: the mask has negative labels.")
+        raise DataError(f"The mask {mask_what} has negative labels (minimum {mask.min()}); a prostate mask holds 0 "
+                        "(background) and 1 or more (prostate). The file is corrupt or not a segmentation of the SAML "
+                        f"release: get it again unchanged ({SAML_URL}) and run `fednorm data prepare prostate` again.")
+    mask = np.where(mask > 1, 1, mask)
     xs, ys, ks = [], [], []
     for i in range(1, mask.shape[0] - 1):
         if np.all(mask[i] == 0):
@@ -203,7 +210,9 @@ def prepare_prostate(data_dir: Path, *, raw_dir: Path | None = None, download: b
             image_path = site_dir / _image_name(mask_name)
             if not image_path.is_file():
                 raise DataError(f"The image {image_path} of the mask {site_dir / mask_name} is missing. {manual}")
-            x, y, k = volume_slices(read_nifti(image_path), read_nifti(site_dir / mask_name), str(image_path))
+            mask_path = site_dir / mask_name
+            x, y, k = volume_slices(read_nifti(image_path), read_nifti(mask_path), str(image_path),
+                                    mask_what=str(mask_path))
             xs.append(x)
             ys.append(y)
             slices.append(k)
