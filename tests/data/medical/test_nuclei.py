@@ -65,6 +65,114 @@ def test_documented_layout_with_png_and_xml_masks(tmp_path):
     assert len(lung.train) + len(lung.val) + len(lung.test) == 5 and len(lung.test) == 1
 
 
+def _monuseg_xml(x0, y0, x1, y1):
+    """One rectangle nucleus in the official MoNuSeg 2018 annotation format (Aperio ImageScope XML: the
+    attribute headers, region attributes and Z coordinates of the released files)."""
+    vertices = "".join(f'<Vertex X="{x}" Y="{y}" Z="0"/>\n' for x, y in ((x0, y0), (x1, y0), (x1, y1), (x0, y1)))
+    return ('<?xml version="1.0" encoding="UTF-8"?>\n<Annotations MicronsPerPixel="0.252100">\n'
+            '<Annotation Id="1" Name="" ReadOnly="0" NameReadOnly="0" LineColorReadOnly="0" Incremental="0" Type="4" '
+            'LineColor="65280" Visible="1" Selected="1" MarkupImagePath="" MacroName="">\n'
+            '<Attributes>\n<Attribute Name="Description" Id="0" Value=""/>\n</Attributes>\n<Regions>\n'
+            '<RegionAttributeHeaders>\n<AttributeHeader Id="9999" Name="Region" ColumnWidth="-1"/>\n'
+            '<AttributeHeader Id="9997" Name="Length" ColumnWidth="-1"/>\n</RegionAttributeHeaders>\n'
+            '<Region Id="1" Type="0" Zoom="0.5" Selected="0" ImageLocation="" ImageFocus="-1" Length="40.0" '
+            'Area="96.0" LengthMicrons="10.1" AreaMicrons="6.1" Text="" NegativeROA="0" InputRegionId="0" Analyze="1" '
+            f'DisplayId="1">\n<Attributes/>\n<Vertices>\n{vertices}</Vertices>\n</Region>\n</Regions>\n<Plots/>\n'
+            '</Annotation>\n</Annotations>\n')
+
+
+def test_monuseg_official_zips_are_read_as_extracted(tmp_path):
+    """MoNuSeg 2018's two official zips unzipped as they are into raw/monuseg2018: the training zip's
+    'MoNuSeg 2018 Training Data/Tissue Images/<name>.tif' + 'Annotations/<name>.xml' is the train split,
+    the test zip's 'MoNuSegTestData/<name>.tif' beside '<name>.xml' the test split."""
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    client = tmp_path / "raw" / "monuseg2018"
+    train_dir, test_dir = client / "MoNuSeg 2018 Training Data", client / "MoNuSegTestData"
+    h, w = 48, 64
+    expected = {}  # name -> (image, full-resolution 0/1 mask of its own rectangle)
+
+    def sample(image_path, xml_path, k):
+        img = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        write_image(image_path, img)  # a real TIFF (PIL), as the official RGB .tif tissue images
+        x0, y0, x1, y1 = 4 + 6 * k, 8 + 2 * k, 14 + 6 * k, 20 + 2 * k  # each image its own nucleus
+        xml_path.parent.mkdir(parents=True, exist_ok=True)
+        xml_path.write_text(_monuseg_xml(x0, y0, x1, y1))
+        mask = np.zeros((h, w), np.uint8)
+        mask[y0:y1 + 1, x0:x1 + 1] = 1
+        expected[image_path.name] = (img, mask)
+
+    train_names = [f"TCGA-A{k}-01Z-00-DX1.tif" for k in range(5)]
+    test_names = [f"TCGA-T{k}-01Z-00-DX1.tif" for k in range(2)]
+    for k, name in enumerate(train_names):
+        stem = name[:-4]
+        sample(train_dir / "Tissue Images" / name, train_dir / "Annotations" / f"{stem}.xml", k)
+    for k, name in enumerate(test_names):
+        sample(test_dir / name, test_dir / f"{name[:-4]}.xml", k + 5)
+    data = tmp_path / "data"
+    prepare_nuclei(data, raw_dir=tmp_path / "raw", download=False, clients=("monuseg2018",))
+
+    with np.load(data / "nuclei" / "monuseg2018.npz") as f:
+        assert f["names_train"].tolist() == train_names and f["names_test"].tolist() == test_names
+        assert f["x_train"].shape == (5, 256, 256, 3) and f["x_test"].shape == (2, 256, 256, 3)
+        for split in ("train", "test"):
+            for name, x, y in zip(f[f"names_{split}"], f[f"x_{split}"], f[f"y_{split}"]):
+                img, mask = expected[str(name)]
+                assert np.array_equal(x, np.asarray(Image.fromarray(img).resize((256, 256), Image.BILINEAR))), name
+                want = np.asarray(Image.fromarray(mask).resize((256, 256), Image.NEAREST))
+                assert want.sum() > 0 and np.array_equal(y, want), name  # the polygon filled, nothing else
+    dom = load_nuclei("monuseg2018", data)
+    assert (len(dom.train) + len(dom.val), len(dom.test)) == (5, 2) and len(dom.val) == 1
+    for k, y in enumerate(dom.test.y):  # the test split is MoNuSegTestData's, masks nonzero inside the polygons
+        x0, y0 = 4 + 6 * (k + 5), 8 + 2 * (k + 5)
+        row, col = int((y0 + 5) * 256 / h), int((x0 + 5) * 256 / w)
+        assert y[row, col] == 1 and y[5, 5] == 0 and y.sum() > 0
+    assert manifest(data)["nuclei_monuseg2018"]["file"] == "nuclei/monuseg2018.npz"
+
+
+def test_monuseg_layout_errors_say_what_to_do(tmp_path):
+    rng = np.random.default_rng(4)
+    client = tmp_path / "raw" / "monuseg2018"
+    (client / "MoNuSeg2018TrainingData").mkdir(parents=True)  # a misnamed folder: no accepted layout
+    with pytest.raises(DataError, match="No nuclei layout was found") as info:
+        prepare_nuclei(tmp_path / "data", raw_dir=tmp_path / "raw", download=False, clients=("monuseg2018",))
+    msg = str(info.value)
+    assert str(client) in msg and "MoNuSeg 2018 Training Data/Tissue Images/<name>.tif" in msg
+    assert "MoNuSegTestData/<name>.xml" in msg and "unzip the official MoNuSeg 2018 training and test zips" in msg
+    assert "fednorm data prepare nuclei --domains monuseg2018" in msg and "'train/'" in msg and "'masks/'" in msg
+    (client / "MoNuSeg2018TrainingData").rmdir()
+    test_dir = client / "MoNuSegTestData"
+    write_image(test_dir / "T0.tif", rng.integers(0, 256, (8, 8, 3)))
+    (test_dir / "T0.xml").write_text(XML)
+    with pytest.raises(DataError, match="no training folder") as info:  # only the test zip unzipped
+        prepare_nuclei(tmp_path / "data", raw_dir=tmp_path / "raw", download=False, clients=("monuseg2018",))
+    assert "MoNuSeg 2018 Training Data/" in str(info.value)
+    train = client / "MoNuSeg 2018 Training Data"
+    write_image(train / "Tissue Images" / "A.tif", rng.integers(0, 256, (48, 64, 3)))
+    (train / "Annotations").mkdir()
+    with pytest.raises(DataError, match="has no mask") as info:
+        prepare_nuclei(tmp_path / "data", raw_dir=tmp_path / "raw", download=False, clients=("monuseg2018",))
+    assert str(train / "Tissue Images" / "A.tif") in str(info.value) and "A.xml" in str(info.value)
+    assert "unzip the official zips" in str(info.value)
+    (train / "Annotations" / "A.xml").write_text(XML)
+    (train / "Annotations" / "B.xml").write_text(XML)  # an annotation without its image
+    with pytest.raises(DataError, match="has no image") as info:
+        prepare_nuclei(tmp_path / "data", raw_dir=tmp_path / "raw", download=False, clients=("monuseg2018",))
+    assert str(train / "Annotations" / "B.xml") in str(info.value) and "Tissue Images" in str(info.value)
+    (train / "Annotations" / "B.xml").unlink()
+    (test_dir / "T0.xml").unlink()  # an image of MoNuSegTestData without its annotation beside it
+    (test_dir / "T1.xml").write_text(XML)
+    with pytest.raises(DataError, match="has no mask") as info:
+        prepare_nuclei(tmp_path / "data", raw_dir=tmp_path / "raw", download=False, clients=("monuseg2018",))
+    assert str(test_dir / "T0.tif") in str(info.value) and str(test_dir / "T0.xml") in str(info.value)
+    (test_dir / "T0.xml").write_text(XML)
+    (test_dir / "T1.xml").unlink()
+    prepare_nuclei(tmp_path / "data", raw_dir=tmp_path / "raw", download=False, clients=("monuseg2018",))
+    dom = load_nuclei("monuseg2018", tmp_path / "data", val_fraction=0.0)
+    assert (len(dom.train), len(dom.test)) == (1, 1)
+
+
 def test_rasterize_xml_fills_every_region():
     mask = nuc.rasterize_xml(XML.encode(), 48, 64, "test.xml")
     assert mask.shape == (48, 64) and mask[15, 20] == 1 and mask[6, 49] == 1 and mask[40, 5] == 0

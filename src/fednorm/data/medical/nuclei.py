@@ -17,6 +17,18 @@ What is not documented, and what this module does about it:
       <raw_dir>/<client>/train/masks/<name>.{png,tif,...}   (or labels/; or <name>.xml)
       <raw_dir>/<client>/test/images/...  and  test/masks/...
 
+  and MoNuSeg 2018's two official zips as they extract, both unzipped into
+  ``<raw_dir>/monuseg2018/``::
+
+      MoNuSeg 2018 Training Data/Tissue Images/<name>.tif
+      MoNuSeg 2018 Training Data/Annotations/<name>.xml
+      MoNuSegTestData/<name>.tif  beside  MoNuSegTestData/<name>.xml
+
+  (the accepted folder names are :data:`_TRAIN_DIRS`, :data:`_TEST_DIRS`, :data:`_IMAGE_DIRS`
+  and :data:`_MASK_DIRS`; a split folder without an image folder may hold its images beside their
+  ``.xml`` annotations, as ``MoNuSegTestData/`` does). Every image needs its mask and every mask
+  its image (a missing one is an error naming the file, not a silently dropped sample).
+
   A mask image is binarized (any non-zero value is nucleus). A ``<name>.xml`` mask is an
   official MoNuSeg / MoNuSAC annotation (``Annotation/Regions/Region/Vertices/Vertex X= Y=``);
   every region polygon is filled as nucleus (MoNuSAC's four cell classes are merged: the task is
@@ -27,7 +39,8 @@ What is not documented, and what this module does about it:
   ``TNBC_NucleiSegmentation.zip``: ``Slide_<nn>/*.png`` images, ``GT_<nn>/*.png`` masks) is read
   directly (:func:`read_tnbc_zip` / ``Slide_*``/``GT_*`` folders), and a seeded 20 % of its
   images becomes the test split (our choice; image level).
-* A client folder without ``test/`` likewise gets a seeded 20 % test split.
+* A client folder without a test folder (``test/`` or ``MoNuSegTestData/``) likewise gets a
+  seeded 20 % test split.
 
 Resizing: images bilinear, masks nearest (after rasterizing at full resolution).
 
@@ -64,7 +77,16 @@ TNBC_ZIP = RawFile("https://zenodo.org/record/1175282/files/TNBC_NucleiSegmentat
 MONUSEG_URL = "https://monuseg.grand-challenge.org/Data/"
 MONUSAC_URL = "https://monusac-2020.grand-challenge.org/Data/"
 _IMAGE_EXTS = (".png", ".tif", ".tiff", ".jpg", ".jpeg", ".bmp")
-_MASK_DIRS = ("masks", "labels")
+# The folder names a client folder may use, first match wins: the documented layout's, then the
+# official MoNuSeg 2018 zips' as they extract ("MoNuSeg 2018 Training Data/{Tissue Images,
+# Annotations}/" and "MoNuSegTestData/", whose images lie beside their .xml annotations).
+_MONUSEG_TRAIN, _MONUSEG_TEST = "MoNuSeg 2018 Training Data", "MoNuSegTestData"
+_MONUSEG_IMAGES, _MONUSEG_ANNOTATIONS = "Tissue Images", "Annotations"
+_TRAIN_DIRS = ("train", _MONUSEG_TRAIN)
+_TEST_DIRS = ("test", _MONUSEG_TEST)
+_IMAGE_DIRS = ("images", _MONUSEG_IMAGES)
+_MASK_DIRS = ("masks", "labels", _MONUSEG_ANNOTATIONS)
+_PREPARE_COMMAND = "fednorm data prepare nuclei"
 
 
 def nuclei_file(client: str) -> str:
@@ -112,21 +134,87 @@ def _sample(image, mask_src, what: str, size: int) -> tuple[np.ndarray, np.ndarr
     return resize_image(img, size), resize_mask(mask, size)
 
 
-def _pairs(folder: Path) -> list[tuple[Path, Path]]:
-    """(image, mask) pairs of ``folder/images`` and ``folder/masks`` (or ``labels``), by file stem."""
-    images_dir = folder / "images"
-    mask_dir = next((folder / d for d in _MASK_DIRS if (folder / d).is_dir()), None)
-    if not images_dir.is_dir() or mask_dir is None:
-        raise DataError(f"{folder} must hold images/ and masks/ (or labels/) folders.")
-    masks = {p.stem: p for p in mask_dir.iterdir()
-             if p.suffix.lower() in (*_IMAGE_EXTS, ".xml") and not is_junk_path((p.name,))}
+def _first_dir(root: Path, names: Sequence[str]) -> Path | None:
+    """The first of ``root/<name>`` (``names`` in order) that is a folder, else None."""
+    return next((root / n for n in names if (root / n).is_dir()), None)
+
+
+def _files(folder: Path, exts: Sequence[str]) -> list[Path]:
+    return sorted(p for p in folder.iterdir()
+                  if p.is_file() and p.suffix.lower() in exts and not is_junk_path((p.name,)))
+
+
+def _rerun(client_dir: Path) -> str:
+    """The prepare command to run again once the files of ``client_dir`` are in place."""
+    domains = f" --domains {client_dir.name}" if client_dir.name in NUCLEI_CLIENTS else ""
+    return (f"then run `{_PREPARE_COMMAND}{domains}` again (with --raw-dir {client_dir.parent} unless that is "
+            "DATA_DIR/raw/nuclei)")
+
+
+def _layouts(client_dir: Path) -> str:
+    """The accepted layouts of a client folder (from the folder-name constants) and what to do."""
+    def names(dirs):
+        return " or ".join(f"'{d}/'" for d in dirs)
+
+    return (f"Accepted layouts of a client folder: a training folder ({names(_TRAIN_DIRS)}) and optionally a "
+            f"test folder ({names(_TEST_DIRS)}; without one a seeded {NUCLEI_TEST_FRACTION:.0%} of the training "
+            "images is the test split), or one split's files directly in the client folder; in each, the images "
+            f"({', '.join(_IMAGE_EXTS)}) in {names(_IMAGE_DIRS)} and their masks of the same name (mask images or "
+            f"official .xml annotations) in {names(_MASK_DIRS)}, or the images beside their <name>.xml "
+            "annotations; or TNBC's 'Slide_<nn>/' and 'GT_<nn>/' folders. The official MoNuSeg 2018 zips extract "
+            f"to such folders: '{_MONUSEG_TRAIN}/{_MONUSEG_IMAGES}/<name>.tif' with "
+            f"'{_MONUSEG_TRAIN}/{_MONUSEG_ANNOTATIONS}/<name>.xml', and '{_MONUSEG_TEST}/<name>.tif' beside "
+            f"'{_MONUSEG_TEST}/<name>.xml'. For MoNuSeg, unzip the official MoNuSeg 2018 training and test zips "
+            f"({MONUSEG_URL}) into {client_dir} as they are; otherwise put the files in one of these layouts; "
+            f"{_rerun(client_dir)}.")
+
+
+def _holds(folder: Path) -> str:
+    entries = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir() if not is_junk_path((p.name,)))
+    shown = ", ".join(entries[:12]) + (f", ... ({len(entries)} entries)" if len(entries) > 12 else "")
+    return f"it holds {shown}" if entries else "it is empty"
+
+
+def _pairs(folder: Path, client_dir: Path | None = None) -> list[tuple[Path, Path]]:
+    """(image, mask) pairs of one split folder, by file stem: images in one of :data:`_IMAGE_DIRS`
+    with masks in one of :data:`_MASK_DIRS`, or images beside their ``.xml`` annotations (the
+    official ``MoNuSegTestData/``). Every image needs a mask and every mask an image."""
+    client_dir = folder if client_dir is None else client_dir
+    images_dir, mask_dir = _first_dir(folder, _IMAGE_DIRS), _first_dir(folder, _MASK_DIRS)
+    beside = images_dir is None and mask_dir is None
+    if beside:  # images and their .xml annotations side by side (a mask image there would pass for an image)
+        images_dir = mask_dir = folder
+        mask_exts: tuple[str, ...] = (".xml",)
+        if not (_files(folder, _IMAGE_EXTS) and _files(folder, mask_exts)):
+            raise DataError(f"No nuclei layout was found in {folder}: no image folder ({' or '.join(_IMAGE_DIRS)}) "
+                            f"with a mask folder ({' or '.join(_MASK_DIRS)}), and no images beside their .xml "
+                            f"annotations ({_holds(folder)}). {_layouts(client_dir)}")
+    else:
+        mask_exts = (*_IMAGE_EXTS, ".xml")
+        if images_dir is None or mask_dir is None:
+            have, need = (images_dir, _MASK_DIRS) if mask_dir is None else (mask_dir, _IMAGE_DIRS)
+            raise DataError(f"{folder} holds {have.name}/ but no {' or '.join(f'{d}/' for d in need)} folder beside "
+                            f"it. {_layouts(client_dir)}")
+    masks = {p.stem: p for p in _files(mask_dir, mask_exts)}
+    images = _files(images_dir, _IMAGE_EXTS)
+    if not images:
+        raise DataError(f"{images_dir} holds no image ({', '.join(_IMAGE_EXTS)}). {_layouts(client_dir)}")
     pairs = []
-    for img in sorted(p for p in images_dir.iterdir() if p.suffix.lower() in _IMAGE_EXTS and not is_junk_path((p.name,))):
+    for img in images:
         if img.stem not in masks:
-            raise DataError(f"The image {img} has no mask {mask_dir}/{img.stem}.(png|tif|xml|...).")
-        pairs.append((img, masks[img.stem]))
-    if not pairs:
-        raise DataError(f"{images_dir} holds no image ({', '.join(_IMAGE_EXTS)}).")
+            raise DataError(
+                f"The image {img} has no mask: expected {mask_dir / img.stem}.xml"
+                f"{' beside it' if beside else ' (or .png, .tif, ...)'}. Put its mask or official annotation there or "
+                f"remove the image (for MoNuSeg, unzip the official zips into {client_dir} again: is the "
+                f"extraction complete?); {_rerun(client_dir)}.")
+        pairs.append((img, masks.pop(img.stem)))
+    if masks:
+        orphan = masks[min(masks)]
+        raise DataError(
+            f"The mask {orphan} has no image: expected {images_dir / orphan.stem}.tif (or "
+            f"{', '.join(_IMAGE_EXTS)}){f'; {len(masks)} masks lack their image' if len(masks) > 1 else ''}. Put "
+            f"its image there or remove the mask (for MoNuSeg, unzip the official zips into {client_dir} again: is "
+            f"the extraction complete?); {_rerun(client_dir)}.")
     return pairs
 
 
@@ -192,7 +280,9 @@ def _split_arrays(samples, names, seed, size, test_samples=None, test_names=None
 
 def read_client_folder(folder: Path, *, size: int = NUCLEI_SIZE, seed: int = 0) -> dict[str, np.ndarray]:
     """One client folder in the documented layout (``train/`` + ``test/``, or one split held out
-    20 % seeded), or TNBC's ``Slide_nn``/``GT_nn`` folders, as train/test arrays."""
+    20 % seeded), MoNuSeg's official zips as extracted (``MoNuSeg 2018 Training Data/`` +
+    ``MoNuSegTestData/``), or TNBC's ``Slide_nn``/``GT_nn`` folders, as train/test arrays. A
+    :class:`DataError` names the folder and the accepted layouts when none is found."""
     folder = Path(folder)
     slide_dirs = sorted(folder.glob("Slide_*"))
     if slide_dirs:
@@ -200,15 +290,20 @@ def read_client_folder(folder: Path, *, size: int = NUCLEI_SIZE, seed: int = 0) 
         pairs = _tnbc_members(files)
         samples = [_sample(folder / i, folder / m, str(folder / i), size) for i, m in pairs]
         return _split_arrays(samples, [i for i, _ in pairs], seed, size)
-    if (folder / "train").is_dir():
-        train_pairs = _pairs(folder / "train")
+    train_dir, test_dir = _first_dir(folder, _TRAIN_DIRS), _first_dir(folder, _TEST_DIRS)
+    if train_dir is not None:
+        train_pairs = _pairs(train_dir, folder)
         samples = [_sample(i, m, str(i), size) for i, m in train_pairs]
         names = [i.name for i, _ in train_pairs]
-        if (folder / "test").is_dir():
-            test_pairs = _pairs(folder / "test")
+        if test_dir is not None:
+            test_pairs = _pairs(test_dir, folder)
             return _split_arrays(samples, names, seed, size, [_sample(i, m, str(i), size) for i, m in test_pairs],
                                  [i.name for i, _ in test_pairs])
         return _split_arrays(samples, names, seed, size)
+    if test_dir is not None:
+        raise DataError(f"{folder} holds the test folder {test_dir.name}/ but no training folder "
+                        f"({' or '.join(f'{d}/' for d in _TRAIN_DIRS)}). For MoNuSeg, unzip the official training "
+                        f"zip too. {_layouts(folder)}")
     pairs = _pairs(folder)
     return _split_arrays([_sample(i, m, str(i), size) for i, m in pairs], [i.name for i, _ in pairs], seed, size)
 
@@ -237,12 +332,15 @@ def prepare_nuclei(data_dir: Path, *, raw_dir: Path | None = None, download: boo
             source = f"TNBC {TNBC_ZIP.url} (no official split: seeded 20 % test, seed {seed})"
         else:
             where = MONUSEG_URL if client == "monuseg2018" else MONUSAC_URL
+            official = (f" For MoNuSeg, unzipping the official MoNuSeg 2018 training and test zips into {folder} as "
+                        f"they are ('{_MONUSEG_TRAIN}/', '{_MONUSEG_TEST}/') is enough."
+                        if client == "monuseg2018" else "")
             raise DataError(
                 f"The nuclei client folder {folder} is missing. Get the images and annotations from HarmoFL's "
                 f"release ({NUCLEI_RELEASE_URL}) or the official challenge ({where}, registration needed) and "
                 f"put them in {folder}/train/images + train/masks (mask images or the official .xml "
-                f"annotations) and {folder}/test/images + test/masks. MoNuSAC2020 images go into one client "
-                "folder per organ (breast, kidney, lung, prostate).")
+                f"annotations) and {folder}/test/images + test/masks.{official} MoNuSAC2020 images go into one "
+                f"client folder per organ (breast, kidney, lung, prostate); {_rerun(folder)}.")
         if not len(arrays["y_train"]):
             raise DataError(f"{client}: no training image was found in {folder}.")
         paths.append(write_dataset_file(data_dir, nuclei_file(client), arrays, key=f"nuclei_{client}", source=source))
