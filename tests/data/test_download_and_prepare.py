@@ -293,6 +293,20 @@ def test_fedbn_missing_partition_is_named(tmp_path):
         prepare.prepare_fedbn_digits("svhn", tmp_path / "data", fedbn)
 
 
+def test_fedbn_files_of_different_image_sizes_are_named(tmp_path):
+    rng = np.random.default_rng(7)
+    pair = (rng.integers(0, 256, (1, 32, 32, 3), dtype=np.uint8), np.array([1]))
+    small = (rng.integers(0, 256, (1, 28, 28, 3), dtype=np.uint8), np.array([2]))
+    fedbn = tmp_path / "SVHN"
+    _write_fedbn(fedbn, [pair] * 4 + [small] + [pair] * 5, pair)
+    with pytest.raises(DataError, match="different image sizes") as info:
+        prepare.prepare_fedbn_digits("svhn", tmp_path / "data", fedbn)
+    message = str(info.value)
+    assert "partitions/train_part4.pkl 28x28x3" in message and "test.pkl 32x32x3" in message
+    assert "Get FedBN's data/<Dataset> folder again" in message
+    assert not (tmp_path / "data" / "digits/svhn.npz").exists()
+
+
 # --- CIFAR-10 --------------------------------------------------------------------------------------
 
 
@@ -362,6 +376,24 @@ def test_cifar10_archive_missing_batch(tmp_path, no_official_md5):
         tar.addfile(info, io.BytesIO(blob))
     with pytest.raises(DataError, match="data_batch_2"):
         prepare.prepare_cifar10(tmp_path / "data", raw_dir=raw, download=False)
+
+
+@pytest.mark.parametrize("batch, what", [
+    ({b"images": np.zeros((1, 3072), np.uint8), b"labels": [0]}, r"lacks 'data' or 'labels' \(it has \['images', 'labels'\]\)"),
+    ({b"data": np.zeros((2, 3072), np.uint8), b"labels": [3, 10]}, r"labels 3..10, outside CIFAR-10's 0..9"),
+    ([np.zeros((1, 3072), np.uint8)], "a pickled list, not the dict"),
+])
+def test_cifar10_batch_not_in_the_official_layout_says_what_to_do(tmp_path, no_official_md5, batch, what):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    with tarfile.open(raw / "cifar-10-python.tar.gz", "w:gz") as tar:
+        blob = pickle.dumps(batch, protocol=2)
+        info = tarfile.TarInfo("cifar-10-batches-py/data_batch_1")
+        info.size = len(blob)
+        tar.addfile(info, io.BytesIO(blob))
+    with pytest.raises(DataError, match=what) as info:
+        prepare.prepare_cifar10(tmp_path / "data", raw_dir=raw, download=False)
+    assert "batch data_batch_1" in str(info.value) and "download cifar-10-python.tar.gz again" in str(info.value)
 
 
 def test_command_line_prepares_cifar10(tmp_path, no_official_md5):

@@ -85,7 +85,8 @@ def release_arrays(images: np.ndarray, labels: np.ndarray, corruption: str, sour
         raise DataError(f"{source}: labels.npy is not the same {per} labels repeated for the five severities, as "
                         "the release's is. Download the release again (Zenodo record 2535967).")
     if per and (blocks[0].min() < 0 or blocks[0].max() > 9):
-        raise DataError(f"{source}: labels.npy has labels outside 0..9.")
+        raise DataError(f"{source}: labels.npy has labels {int(blocks[0].min())}..{int(blocks[0].max())}, outside "
+                        "CIFAR-10's 0..9. Download the release again (Zenodo record 2535967).")
     return {"x": images.reshape(n, per, 32, 32, 3), "y": blocks[0].astype(np.uint8)}
 
 

@@ -243,7 +243,8 @@ def read_digits_mat(path: Path, convention: str) -> tuple[np.ndarray, np.ndarray
                         "Is this the official file?")
     labels = _digit_labels(y, path, convention)
     if labels.shape[0] != x.shape[3]:
-        raise DataError(f"{path}: y has {labels.shape[0]} labels for {x.shape[3]} images.")
+        raise DataError(f"{path}: y has {labels.shape[0]} labels for {x.shape[3]} images; the file is truncated or "
+                        "not the official one. Delete it and get the official file again.")
     return np.ascontiguousarray(np.moveaxis(x, 3, 0)), labels
 
 
@@ -293,10 +294,13 @@ def _read_pickle_pair(path: Path) -> tuple[np.ndarray, np.ndarray]:
     x, y = load_fedbn_pair(data, str(path), "(images, labels)")  # only load trusted files
     x, y = np.asarray(x), np.asarray(y)
     if x.dtype != np.uint8 or x.ndim != 4 or x.shape[-1] != 3 or x.shape[1] != x.shape[2]:
-        raise DataError(f"{path}: images must be uint8 (N, H, W, 3), got {x.dtype} {x.shape}.")
+        raise DataError(f"{path}: images must be uint8 (N, H, W, 3), got {x.dtype} {x.shape}. Is this FedBN's "
+                        "file? Get FedBN's data/<Dataset> folder again.")
     y = y.reshape(-1)
     if y.shape[0] != x.shape[0] or (y.size and (y.min() < 0 or y.max() > 9)):
-        raise DataError(f"{path}: labels must be one digit 0..9 per image, got shape {y.shape}.")
+        raise DataError(f"{path}: labels must be one digit 0..9 per image, got {y.shape[0]} label(s) for "
+                        f"{x.shape[0]} image(s)" + (f", values {int(y.min())}..{int(y.max())}" if y.size else "")
+                        + ". Is this FedBN's file? Get FedBN's data/<Dataset> folder again.")
     return x, y.astype(np.uint8)
 
 
@@ -313,8 +317,12 @@ def read_fedbn_partitions(folder: Path, parts: int = 10) -> dict[str, np.ndarray
     xs, ys = zip(*(_read_pickle_pair(folder / "partitions" / f"train_part{i}.pkl")
                    for i in range(parts)))
     x_test, y_test = _read_pickle_pair(folder / "test.pkl")
-    if len({x.shape[1:] for x in (*xs, x_test)}) != 1:
-        raise DataError(f"The FedBN files in {folder} have different image sizes.")
+    sizes = {name: x.shape[1:] for name, x in zip([*(f"partitions/train_part{i}.pkl" for i in range(parts)),
+                                                     "test.pkl"], (*xs, x_test))}
+    if len(set(sizes.values())) != 1:
+        shown = ", ".join(f"{name} {'x'.join(map(str, shape))}" for name, shape in sizes.items())
+        raise DataError(f"The FedBN files in {folder} have different image sizes ({shown}): they come from "
+                        "different datasets or versions. Get FedBN's data/<Dataset> folder again, whole.")
     return {"x_train": np.concatenate(xs), "y_train": np.concatenate(ys),
             "x_test": x_test, "y_test": y_test}
 
@@ -350,16 +358,22 @@ def _cifar_batch(tar: tarfile.TarFile, name: str, archive: Path) -> tuple[np.nda
     with fh:
         # Python 2 pickles (the official "python version"); latin1 keeps numpy arrays intact.
         batch = pickle.load(fh, encoding="latin1")
+    if not isinstance(batch, dict):
+        raise DataError(f"{archive}: batch {name} is a pickled {type(batch).__name__}, not the dict of the official "
+                        "CIFAR-10 python version. Delete the archive and download cifar-10-python.tar.gz again.")
     batch = {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in batch.items()}
     if "data" not in batch or "labels" not in batch:
-        raise DataError(f"{archive}: batch {name} lacks 'data' or 'labels'.")
+        raise DataError(f"{archive}: batch {name} lacks 'data' or 'labels' (it has {sorted(map(str, batch))[:6]}); "
+                        "it is not the official CIFAR-10 python version. Delete the archive and download "
+                        "cifar-10-python.tar.gz again.")
     data = np.asarray(batch["data"])
     labels = np.asarray(batch["labels"]).reshape(-1)
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072 or labels.shape[0] != data.shape[0]:
         raise DataError(f"{archive}: batch {name} must hold uint8 data (N, 3072) and N labels, got "
                         f"{data.dtype} {data.shape} and {labels.shape[0]} labels.")
     if labels.size and (labels.min() < 0 or labels.max() > 9):
-        raise DataError(f"{archive}: batch {name} has labels outside 0..9.")
+        raise DataError(f"{archive}: batch {name} has labels {int(labels.min())}..{int(labels.max())}, outside "
+                        "CIFAR-10's 0..9. Delete the archive and download cifar-10-python.tar.gz again.")
     # Each row: 1024 red, 1024 green, 1024 blue values, each a 32 x 32 image in row-major order.
     images = data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
     return np.ascontiguousarray(images), labels.astype(np.uint8)

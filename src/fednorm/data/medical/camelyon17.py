@@ -102,7 +102,7 @@ def read_metadata(path: Path) -> list[dict[str, str]]:
             row["patient"] = row["patient"].zfill(3)
         if int(row["center"]) not in range(len(CAMELYON17_HOSPITALS)) or int(row["tumor"]) not in (0, 1):
             raise DataError(f"{path}, data row {i + 1}: center must be 0..4 and tumor 0 or 1, got "
-                            f"{row['center']!r} and {row['tumor']!r}.")
+                            f"{row['center']!r} and {row['tumor']!r}. The file is corrupt: get the bundle again.")
     return rows
 
 
@@ -178,7 +178,8 @@ def prepare_camelyon17(data_dir: Path, *, raw_dir: Path | None = None, download:
                                 f"incompletely extracted: extract {CAMELYON17_ARCHIVE.filename} again.")
             img = read_image(path, str(path))
             if img.shape != (CAMELYON17_SIZE, CAMELYON17_SIZE, 3):
-                raise DataError(f"The patch {path} is {img.shape[1]} x {img.shape[0]}, expected 96 x 96.")
+                raise DataError(f"The patch {path} is {img.shape[1]} x {img.shape[0]}, expected 96 x 96 (WILDS' patches): it "
+                                f"was replaced or resized. Extract {CAMELYON17_ARCHIVE.filename} again.")
             x[i] = img
         arrays = {"x": x, "y": np.array([int(r["tumor"]) for r in chosen], dtype=np.uint8)}
         for key in _INT_ARRAYS:

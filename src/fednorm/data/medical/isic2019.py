@@ -92,11 +92,13 @@ def read_split_csv(path: Path, *, check_counts: bool = True) -> list[dict]:
         try:
             target, center = int(float(r["target"])), int(float(r["center"]))
         except ValueError as exc:
-            raise DataError(f"{path}, data row {i + 1}: target and center must be integers.") from exc
+            raise DataError(f"{path}, data row {i + 1}: target and center must be integers, got {r.get('target')!r} "
+                            f"and {r.get('center')!r}. Get it again from {FLAMBY_SPLIT.url}.") from exc
         if target not in range(len(ISIC_CLASSES)) or center not in range(len(ISIC_CENTERS)) \
                 or r["fold"] not in ("train", "test") or r["fold2"] != f"{r['fold']}_{center}":
             raise DataError(f"{path}, data row {i + 1}: expected target 0..7, center 0..5, fold train/test and "
-                            f"fold2 '<fold>_<center>', got {target}, {center}, {r['fold']!r}, {r['fold2']!r}.")
+                            f"fold2 '<fold>_<center>', got {target}, {center}, {r['fold']!r}, {r['fold2']!r}. "
+                            f"Get it again from {FLAMBY_SPLIT.url}.")
         rows.append({"image": r["image"].strip(), "target": target, "center": center, "fold": r["fold"]})
     if check_counts:
         counts = {c: (sum(1 for r in rows if r["center"] == c and r["fold"] == "train"),
@@ -184,8 +186,8 @@ class _ImageSource:
         name = f"{image}.jpg"
         if self.kind == "zip":
             if name not in self.members:
-                raise DataError(f"{self.root} lacks {name}, listed in FLamby's split. Is it the ISIC 2019 "
-                                "training zip?")
+                raise DataError(f"{self.root} lacks {name}, listed in FLamby's split: it is not the whole ISIC 2019 "
+                                f"training zip. Delete it and download {ISIC_ZIP.url} again.")
             try:
                 data = self.zip.read(self.members[name])
             except (zipfile.BadZipFile, OSError, EOFError) as exc:
@@ -193,7 +195,10 @@ class _ImageSource:
             return flamby_preprocess(read_image(data, f"{self.root}:{name}"))
         path = self.root / name
         if not path.is_file():
-            raise DataError(f"The image {path}, listed in FLamby's split, is missing.")
+            fix = (f"re-run FLamby's resize_images.py over all of {RAW_DIR}" if self.kind == "preprocessed"
+                   else f"unzip {ISIC_ZIP.filename} ({ISIC_ZIP.url}) again, whole")
+            raise DataError(f"The image {path}, listed in FLamby's split, is missing: the folder is incomplete. "
+                            f"Either {fix}, or move {self.root} aside to read {ISIC_ZIP.filename} instead.")
         img = read_image(path, str(path))
         return img if self.kind == "preprocessed" else flamby_preprocess(img)
 
