@@ -221,25 +221,25 @@ def test_bad_arguments():
         opt.perturb()
 
 
-def test_harmofl_client_step_updates_the_amplitude_once_per_batch():
+def test_harmofl_local_training_updates_the_amplitude_once_per_batch():
+    """train_locally with weight perturbation (two forward/backward passes per step) and AmplitudePrepare: Eq. 3's
+    running amplitude is updated once per mini-batch, in the batch order, not once per pass."""
+    from fednorm.methods import LocalTraining, train_locally
     from fednorm.methods.amplitude import AmplitudeNormalizer, AmplitudePrepare
-    from fednorm.methods.segmentation import ce_dice_loss
-    from fednorm.models.unet import UNet
+
+    from ..conftest import make_split
 
     torch.manual_seed(0)
-    model = UNet(num_classes=2, norm="bn", width=0.125).train()
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(4, 10))
+    data = make_split(10, seed=2, size=16)
     normalizer = AmplitudeNormalizer().train()
-    prepare = AmplitudePrepare(normalizer)
-    opt = WeightPerturbation(torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=1e-4))
-    images = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8)
-    masks = (images[:, 0] > 128).long()
-    for step in range(2):
-        x = prepare(images[2 * step : 2 * step + 2])  # once per batch; both passes reuse x
-
-        def closure():
-            loss = ce_dice_loss(model(x), masks[2 * step : 2 * step + 2])
-            loss.backward()
-            return loss
-
-        assert torch.isfinite(opt.step(closure))
-    assert int(normalizer.num_updates) == 2
+    cfg = LocalTraining(batch_size=4, lr=0.05)  # one epoch: batches of 4, 4 and 2
+    train_locally(model, data, cfg, generator=torch.Generator().manual_seed(0), prepare=AmplitudePrepare(normalizer),
+                  weight_perturbation=0.05)
+    assert int(normalizer.num_updates) == 3
+    reference = AmplitudeNormalizer().train()
+    order = torch.randperm(10, generator=torch.Generator().manual_seed(0))
+    for batch in (order[:4], order[4:8], order[8:]):
+        AmplitudePrepare(reference)(data.x[batch])
+    torch.testing.assert_close(normalizer.running_amp, reference.running_amp, rtol=0, atol=0)

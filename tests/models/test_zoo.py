@@ -188,7 +188,13 @@ def test_mobilenet_v2_ws_converts_depthwise_convs():
     depthwise = [c for c in convs if c.groups > 1]
     assert len(depthwise) == 17
     assert all(c.groups == c.in_channels == c.out_channels for c in depthwise)
-    assert n_params(mobilenet_v2()) == n_params(__import__("torchvision").models.mobilenet_v2(num_classes=10))
+    reference = __import__("torchvision").models.mobilenet_v2(num_classes=10)
+    assert n_params(mobilenet_v2()) == n_params(reference)
+    # each BN's weight and bias (2 C) become the WSConv's gain and bias (C each), so the count is unchanged: every
+    # conv of torchvision's MobileNetV2 is followed by a BN (its last 1 x 1 projections too)
+    bn_channels = sum(b.num_features for b in layers(reference, nn.BatchNorm2d))
+    assert bn_channels == sum(c.out_channels for c in convs)
+    assert n_params(model) == n_params(reference) == 2_236_682
 
 
 def test_mobilenet_v2_gn_follows_fedwon_group_rule():

@@ -172,6 +172,20 @@ def test_fednova_with_a_carried_over_momentum_buffer_warns_that_its_normalizatio
         load_config("default", ["methods=[fedavg]"] + carried[1:])  # FedAvg does not normalize by a_k
 
 
+def test_fedwon_preset_agc_at_small_batches_warns_that_the_paper_bypasses_it():
+    """FedWon App. A.3: AGC only at B = 32, bypassed at B in {1, 2, 4}; an explicit agc_clip is the user's choice."""
+    with pytest.warns(ConfigWarning, match="bypasses it at small batches") as caught:
+        load_config("default", ["methods=[fedavg, fedwon]", "training.batch_size=4"])
+    assert len(caught) == 1 and "'fedwon'" in str(caught[0].message) and "0.64" in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config("default", ["methods=[fedwon]"])  # B = 32, the paper's
+        load_config("default", ["methods=[{name: fedwon, agc_clip: 0}]", "training.batch_size=2"])
+        load_config("default", ["methods=[{name: fedwon, agc_clip: 1.28}]", "training.batch_size=2"])  # ablation
+        for preset in ("fedwon_small_batch", "fedwon_small_batch_b1", "fedwon_cross_device", "fedwon_ablation"):
+            load_config(preset)
+
+
 def test_paper_rows_follow_the_setting_an_override_selects():
     """FedWon Table 3's preset is C = 0.1; at C = 0.2 or 0.4 its tables quote the paper's rows of that C."""
     base = load_config("fedwon_cross_device")

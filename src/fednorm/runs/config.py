@@ -38,6 +38,10 @@ OnDivergence = Literal["stop", "record"]
 ON_DIVERGENCE: tuple[str, ...] = get_args(OnDivergence)  # `fednorm resume --on-divergence` offers the same
 
 
+# FedWon App. A.3: AGC is used at batch size 32 only; smaller batches train without it.
+AGC_MIN_BATCH = 32
+
+
 class ConfigError(ValueError):
     """The configuration is invalid; the message lists each problem with its key. ``unknown_keys``: the dotted keys
     no setting of this fednorm has (a typo, or a setting of a later fednorm)."""
@@ -840,6 +844,14 @@ class ExperimentConfig(_Strict):
                     "zero; federation.persistent_optimizer carries it over, so a_k is only an approximation "
                     "(set persistent_optimizer: false for FedNova's exact normalization)",
                     ConfigWarning, stacklevel=2)
+            if m.agc_clip is None and method.agc_clip and self.training.batch_size < AGC_MIN_BATCH:
+                # FedWon App. A.3: "We only use AGC for FedWon with batch size B=32 and bypass AGC on small batch
+                # sizes such as B={1,2,4}"; the preset's lambda is the Digits one (Office/DomainNet: 1.28)
+                warnings.warn(
+                    f"method {m.display!r} clips gradients with its preset's AGC lambda {method.agc_clip} at "
+                    f"training.batch_size {self.training.batch_size}; FedWon's paper uses AGC only at batch size "
+                    f"{AGC_MIN_BATCH} and bypasses it at small batches (App. A.3): set agc_clip: 0 for this method "
+                    "as the paper, or set agc_clip explicitly to keep AGC", ConfigWarning, stacklevel=2)
             if keeps_bn_state(method.policy) and norm not in BATCHNORM_KINDS:
                 raise ValueError(f"method {m.display!r} keeps BatchNorm state local but its model norm is {norm!r}")
             if self.model.pretrained != "none" and norm == "ws":

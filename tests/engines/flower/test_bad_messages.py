@@ -234,6 +234,24 @@ def test_a_bad_algorithm_message_drops_only_that_client(tmp_path, method, edit, 
     assert list(rounds[0]["dropped"]) == ["rendered/neon"] and reason in rounds[0]["dropped"]["rendered/neon"]
 
 
+def test_harmofl_amplitudes_of_center_cropped_images_are_accepted(tmp_path):
+    """With data.center_crop the clients' round-1 amplitudes have the cropped C x H x W (the model's input), and the
+    server checks them against that, not the stored images' size."""
+    config = tiny_config(THREE, "methods=[harmofl]", "model.name=resnet20", "model.width=1", "data.center_crop=24",
+                         "federation.rounds=2", "federation.eval_every=2")
+    sent = []
+
+    def record(node_id, msg, reply):
+        if msg.metadata.group_id == "train-0":
+            sent.append(tuple(m.from_arrays(reply.content, m.ALGORITHM_MESSAGE)["amp.client"].shape))
+        return reply
+
+    grid, cell = run_fake(tmp_path, config, record)
+    assert sent == [(3, 24, 24)] * 3
+    rounds = participation(cell)
+    assert [r["clients_used"] for r in rounds] == [3, 3] and not any(r["dropped"] for r in rounds)
+
+
 def run_with_restart(tmp_path, config, events, unavailable_errors=False):
     """A run over three nodes where ``events[round]`` acts on the grid after that round (kill, take offline,
     restart)."""

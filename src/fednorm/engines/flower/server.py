@@ -489,15 +489,17 @@ class FlowerEngine:
         state = self.core.algorithm_server_state
         amplitudes = {k: v for k, v in message.items() if k.startswith("amp.")}
         if self.core.method.amplitude_norm and "amp.global" not in self.core.input_state:
-            # HarmoFL's first round: every client sends its image amplitude (C x H x W of its images)
+            # HarmoFL's first round: every client sends its image amplitude (C x H x W of its images as the model
+            # sees them, so after data.center_crop: the client computes it on the cropped batches)
             images = next(c.train.x for c in self.core.clients if c.name == client)
+            images = self.core.runner.standardize.center_crop(images[:1])
             amp = amplitudes.get("amp.client")
             if amp is None or set(amplitudes) != {"amp.client"}:
                 raise UpdateError(f"client {client!r} sent amplitude entries {sorted(amplitudes)}, expected "
                                   "['amp.client'] in HarmoFL's first round")
             if tuple(amp.shape) != tuple(images.shape[1:]):
                 raise UpdateError(f"client {client!r} sent an image amplitude of shape {tuple(amp.shape)}, expected "
-                                  f"{tuple(images.shape[1:])} (its images' C x H x W)")
+                                  f"{tuple(images.shape[1:])} (its images' C x H x W, after data.center_crop)")
         elif amplitudes:
             raise UpdateError(f"client {client!r} sent amplitude entries {sorted(amplitudes)} outside HarmoFL's "
                               "first round (the global amplitude is frozen)")
