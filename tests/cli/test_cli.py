@@ -97,6 +97,24 @@ def test_report_sample_std_over_two_seeds(tmp_path):
     assert "standard deviation" not in population.output
 
 
+def test_report_avg_std_across_clients(tmp_path):
+    """--avg-std clients: Avg's std is the sample std across the clients' means over seeds (HarmoFL's tables)."""
+    for seed, accs in ((0, (0.80, 0.60)), (1, (0.90, 0.70))):
+        cell = tmp_path / "run" / "fedavg" / f"seed{seed}"
+        cell.mkdir(parents=True)
+        clients = [{"name": name, "origin": "real", "test": {"final_acc": acc}} for name, acc in zip("ab", accs)]
+        (cell / "summary.json").write_text(json.dumps({"method": "fedavg", "seed": seed, "clients": clients}))
+    over_seeds = runner.invoke(app, ["report", str(tmp_path / "run"), "--markdown"])
+    across = runner.invoke(app, ["report", str(tmp_path / "run"), "--markdown", "--avg-std", "clients"])
+    assert over_seeds.exit_code == 0 and across.exit_code == 0, across.output
+    # seed means 70 and 80: 75.00 (5.00) over seeds; client means 85 and 65: sample std 14.14 across clients
+    assert "| fedavg | 2 | 85.00 (5.00) | 65.00 (5.00) | 75.00 (5.00) |" in over_seeds.output
+    assert "| fedavg | 2 | 85.00 (5.00) | 65.00 (5.00) | 75.00 (14.14) |" in across.output
+    assert "across those clients" in across.output and "across those clients" not in over_seeds.output
+    bad = runner.invoke(app, ["report", str(tmp_path / "run"), "--avg-std", "hospitals"])
+    assert bad.exit_code == 2 and "hospitals" in bad.output
+
+
 def test_run_and_report_quote_the_paper_rows_of_the_setting_a_variant_names(tmp_path):
     out = tmp_path / "run"
     paper = ["--set", "paper={fedbn: {rendered/neon: 50.0}}", "--set", "paper_source=Example Table 9, lr 0.01",

@@ -61,6 +61,32 @@ def test_avg_is_over_the_internal_clients_and_an_external_client_is_a_column_of_
     assert table.columns == ["a", "b", "ext"]
 
 
+def test_avg_std_across_clients_is_harmofls_convention():
+    """HarmoFL Table 2, FedAvg on Camelyon17: hospitals 91.10, 83.12, 82.06, 87.49, 74.78 give Avg 83.71 (6.16), the
+    sample std across the five hospitals; with avg_std="clients" a one-seed run of those scores prints exactly that."""
+    from fednorm.runs.report import build_table
+
+    hospitals = [0.9110, 0.8312, 0.8206, 0.8749, 0.7478]
+    one_seed = {"method": "fedavg", "seed": 0, "clients": [{"name": f"h{i + 1}", "test": {"final_acc": acc}}
+                                                           for i, acc in enumerate(hospitals)]}
+    table = build_table([one_seed], avg_std="clients")
+    assert table.text_rows()[1][-1] == "83.71 (6.16)"
+    assert table.to_dict()["avg_std"] == "clients" and "across those clients" in table.footnote()
+    assert build_table([one_seed]).text_rows()[1][-1] == "83.71"  # over seeds: one seed, no spread
+
+    def summary(seed, a, b, ext):
+        return {"method": "fedbn", "seed": seed, "clients": [
+            {"name": "a", "test": {"final_acc": a}}, {"name": "b", "test": {"final_acc": b}},
+            {"name": "ext", "external": True, "test": {"final_acc": ext}}]}
+
+    two_seeds = build_table([summary(0, 0.8, 0.6, 0.1), summary(1, 0.9, 0.7, 0.3)], avg_std="clients")
+    # client means over seeds 0.85 and 0.65 (the external client left out): 75.00, sample std sqrt(2) * 10
+    avg, std, seeds = two_seeds.cell("fedbn", "Avg")
+    assert (round(avg, 6), round(std, 6), seeds) == (75.0, round(200 ** 0.5, 6), 2)
+    assert two_seeds.cell("fedbn", "a")[:2] == build_table([summary(0, 0.8, 0.6, 0.1),
+                                                             summary(1, 0.9, 0.7, 0.3)]).cell("fedbn", "a")[:2]
+
+
 def test_collected_runs_name_paper_rows_that_disagree_and_cells_with_fewer_rounds_than_asked(tmp_path):
     """Two runs whose configs give other paper numbers for a method: the table shows the first run's, and says so.
     A run whose config asks for more rounds than a cell finished (an extension under way) names that cell."""

@@ -212,6 +212,9 @@ def report(
     markdown: bool = typer.Option(False, "--markdown", help="print a markdown table"),
     sample_std: bool = typer.Option(False, "--sample-std", help="std over seeds with ddof 1 (sample) instead of "
                                     "the population std (ddof 0, numpy's default)"),
+    avg_std: str = typer.Option("seeds", "--avg-std", help="the Avg column's std: over seeds (of the per-seed means "
+                                "over clients), or across clients (sample std of the clients' means over seeds, "
+                                "HarmoFL's Tables 1-2)", click_type=click.Choice(["seeds", "clients"])),
     split_by: Optional[str] = typer.Option(None, "--split-by", help="a config key (e.g. federation.channels_last): "
                                            "one row per method and value of that key, to compare runs that differ "
                                            "in it (otherwise a (method, seed) found twice counts once)"),
@@ -229,7 +232,7 @@ def report(
         found.notes.append(f"skipped {no_finished_cell(d)}")
     metric = "selected_acc" if selected else "best_mean_acc" if best else "final_acc"
     table = build_table(found.summaries, paper=found.paper or None, metric=metric,
-                        paper_source="; ".join(found.paper_sources) or None, ddof=int(sample_std))
+                        paper_source="; ".join(found.paper_sources) or None, ddof=int(sample_std), avg_std=avg_std)
     if table.lacking:
         cells = ", ".join(f"{m} seed {seed}" for m, seed in table.lacking[:6]) + (", ..." if len(table.lacking) > 6
                                                                                    else "")

@@ -3,7 +3,10 @@
 Accuracy (Dice for segmentation runs: the ``metric`` their summaries name) is in percent. The std is over seeds:
 the population std (numpy's default, ddof=0) unless the table asks for the sample std (ddof=1, ``fednorm report
 --sample-std``; the papers' "mean (std) of 3 runs" does not say which), and shown only where a cell has two or more seeds (a single seed's "(0.00)" would read as no spread); the ``Avg``
-column is the mean over clients within each seed, then mean (std) over seeds. Domains that are not real data are
+column is the mean over clients within each seed, then mean (std) over seeds; with ``avg_std="clients"`` (``fednorm
+report --avg-std clients``) its std is instead the sample std across the clients of their means over seeds, the
+convention of HarmoFL's Tables 1-2 (e.g. its FedAvg 83.71 (6.16) on Camelyon17 is the ddof-1 std of the five
+hospitals' scores). Domains that are not real data are
 marked with a dagger and a footnote. Where the run's config carries the paper's numbers, a
 ``paper`` row follows each method with them.
 """
@@ -36,15 +39,25 @@ class ResultsTable:
     diverged: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # method -> (seed, round) that diverged
     ddof: int = 0  # std over seeds: 0 population (numpy's default), 1 sample
     lacking: list[tuple[str, int]] = field(default_factory=list)  # (method, seed) cells without ``metric``: left out
+    # the Avg column's std: "seeds" (of the per-seed client means) or "clients" (sample std across the clients'
+    # means over seeds, HarmoFL's Tables 1-2)
+    avg_std: str = "seeds"
+    internal: list[str] = field(default_factory=list)  # the clients Avg is over (external clients are not)
 
     @property
     def score_label(self) -> str:
         return metric_label(self.score)
 
     def cell(self, method: str, column: str) -> tuple[float, float, int] | None:
+        """(mean %, std %, number of seeds) of a cell, or None without values."""
         values = self.rows.get(method, {}).get(column)
         if not values:
             return None
+        if column == "Avg" and self.avg_std == "clients":
+            row = self.rows[method]
+            means = [float(np.mean(row[c])) for c in self.internal if row.get(c)]
+            std = float(np.std(means, ddof=1)) if len(means) > 1 else 0.0
+            return float(np.mean(means)) * 100, std * 100, len(values)
         std = float(np.std(values, ddof=self.ddof)) if len(values) > self.ddof else 0.0  # one seed: no spread shown
         return float(np.mean(values)) * 100, std * 100, len(values)
 
@@ -55,7 +68,8 @@ class ResultsTable:
         return column.removeprefix("rendered/") + DAGGER
 
     def to_dict(self) -> dict:
-        out = {"metric": self.metric, "score": self.score, "std_ddof": self.ddof, "columns": self.columns, "methods": {}}
+        out = {"metric": self.metric, "score": self.score, "std_ddof": self.ddof, "avg_std": self.avg_std,
+               "columns": self.columns, "methods": {}}
         if self.diverged:
             out["diverged"] = {m: [{"seed": seed, "round": rnd} for seed, rnd in where] for m, where in self.diverged.items()}
         for method in self.rows:
@@ -78,7 +92,9 @@ class ResultsTable:
             row = [method + (DIVERGED if method in self.diverged else ""), str(len(self.seeds[method]))]
             for c in self.columns + ["Avg"]:
                 v = self.cell(method, c)
-                row.append("-" if v is None else f"{v[0]:.2f}" if v[2] == 1 else f"{v[0]:.2f} ({v[1]:.2f})")
+                spread = v is not None and (v[2] > 1 or (c == "Avg" and self.avg_std == "clients"
+                                                          and len(self.internal) > 1))
+                row.append("-" if v is None else f"{v[0]:.2f} ({v[1]:.2f})" if spread else f"{v[0]:.2f}")
             body.append(row)
             if method in self.paper:
                 numbers = self.paper[method]
@@ -88,6 +104,9 @@ class ResultsTable:
 
     def footnote(self) -> str:
         notes = ["(std): sample standard deviation over seeds (ddof 1)"] if self.ddof else []
+        if self.avg_std == "clients":
+            notes.append("Avg (std): mean over the clients of their means over seeds, and the sample standard "
+                         "deviation (ddof 1) across those clients (HarmoFL's Tables 1-2)")
         marked = [c for c in self.columns if self.origins.get(c, "real") != "real"]
         if marked:
             notes.append(f"{DAGGER} rendered stand-in domain (procedurally drawn digits), not a real dataset: "
@@ -113,13 +132,17 @@ class ResultsTable:
 
 
 def build_table(summaries: list[dict], paper: dict | None = None, metric: str = "final_acc",
-                paper_source: str | None = None, ddof: int = 0) -> ResultsTable:
-    """Combine cell summaries (any runs, any seeds) into one table, merging rows by method label."""
+                paper_source: str | None = None, ddof: int = 0, avg_std: str = "seeds") -> ResultsTable:
+    """Combine cell summaries (any runs, any seeds) into one table, merging rows by method label. ``avg_std``: the
+    Avg column's std over "seeds" (default) or across "clients" (see the module docstring)."""
     if ddof not in (0, 1):
         raise ValueError(f"ddof must be 0 (population std) or 1 (sample std), got {ddof}")
+    if avg_std not in ("seeds", "clients"):
+        raise ValueError(f"avg_std must be 'seeds' or 'clients', got {avg_std!r}")
     columns: list[str] = []
     origins: dict[str, str] = {}
-    table = ResultsTable(columns=columns, origins=origins, metric=metric, paper_source=paper_source, ddof=ddof)
+    table = ResultsTable(columns=columns, origins=origins, metric=metric, paper_source=paper_source, ddof=ddof,
+                         avg_std=avg_std)
     scores = {s.get("metric", "accuracy") for s in summaries}  # summaries before tasks existed: accuracy
     table.score = scores.pop() if len(scores) == 1 else "score"
     for s in summaries:
@@ -146,6 +169,8 @@ def build_table(summaries: list[dict], paper: dict | None = None, metric: str = 
             row.setdefault(c["name"], []).append(acc)
             if not c.get("external"):  # Avg is over the internal clients; external ones are their own columns
                 accs.append(acc)
+                if c["name"] not in table.internal:
+                    table.internal.append(c["name"])
         if accs:
             row.setdefault("Avg", []).append(float(np.mean(accs)))
     if paper:
