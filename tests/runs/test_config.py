@@ -186,6 +186,23 @@ def test_fedwon_preset_agc_at_small_batches_warns_that_the_paper_bypasses_it():
             load_config(preset)
 
 
+def test_fedwon_cross_device_small_batches_are_presets_with_table9_right_rates():
+    """FedWon Fig. 4 left (B = 1, 2 at C = 0.1 of 100 clients): fedwon_cross_device with only the batch size and
+    Table 9 (right)'s rates changed, no AGC, FedAvg absent at B = 1; the paper gives curves, so no paper rows."""
+    base = load_config("fedwon_cross_device")
+    table9_right = {2: {"fedavg": 0.005, "fedwon": 0.01}, 1: {"fedwon": 0.01}}
+    for batch, rates in table9_right.items():
+        cfg = load_config(f"fedwon_cross_device_b{batch}")
+        assert cfg.training.batch_size == batch
+        assert {m.name: m.lr for m in cfg.methods} == rates
+        assert all(m.agc_clip == 0 for m in cfg.methods if m.name == "fedwon")
+        assert cfg.paper is None and not cfg.paper_variants
+        assert (cfg.data, cfg.model, cfg.federation) == (base.data, base.model, base.federation)
+        assert cfg.training.model_copy(update={"batch_size": base.training.batch_size}) == base.training
+    with pytest.raises(ConfigError, match="batch_size 1"):
+        load_config("fedwon_cross_device_b1", ["methods=[fedavg]"])
+
+
 def test_paper_rows_follow_the_setting_an_override_selects():
     """FedWon Table 3's preset is C = 0.1; at C = 0.2 or 0.4 its tables quote the paper's rows of that C."""
     base = load_config("fedwon_cross_device")
