@@ -190,7 +190,21 @@ def test_fedbn_needs_a_model_with_batchnorm(tiny_clients):
 
 
 def test_ws_layers_are_wsconv_in_every_registered_model():
-    for name in ("digit_cnn", "resnet20"):
-        model = build_model(name, norm="ws", width=0.25) if name == "digit_cnn" else build_model(name, norm="ws")
-        convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
-        assert convs and all(isinstance(c, WSConv2d) for c in convs)
+    """norm ws: every Conv2d of every registered model is a WSConv2d and no normalization layer is left (the MLP has
+    no convolution: ws is no normalization there; the U-Net's 1 x 1 output conv is its classifier, plain as the
+    Linear heads of the others)."""
+    import inspect
+
+    from fednorm.models.registry import MODEL_NAMES, model_builder
+    from fednorm.models.wsconv import NORM_LAYER_TYPES
+
+    for name in MODEL_NAMES:
+        accepted = inspect.signature(model_builder(name)).parameters
+        small = {"width": 0.25, "width_mult": 0.25, "in_features": 8}  # build fast; the layer types are the same
+        model = build_model(name, norm="ws", **{k: v for k, v in small.items() if k in accepted})
+        head = [model.head] if name == "unet" else []
+        convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d) and not any(m is h for h in head)]
+        assert all(isinstance(c, WSConv2d) for c in convs), name
+        assert all(type(h) is torch.nn.Conv2d for h in head)
+        assert bool(convs) == (name != "mlp"), name
+        assert not [m for m in model.modules() if isinstance(m, NORM_LAYER_TYPES)], name

@@ -1,8 +1,9 @@
 """Models by name: ``build_model(name, num_classes=..., norm=..., **options)``.
 
 Every model takes any normalization of :data:`fednorm.models.norm.NORM_KINDS`. Options a model does
-not have (``classifier`` and ``width`` exist for the digit CNN and AlexNet only, ``pretrained`` and
-``input_size`` for AlexNet only) are dropped when they are left at their defaults, and refused otherwise.
+not have (``classifier`` exists for the digit CNN and AlexNet only, ``width`` for all but the ResNets and
+MobileNetV2 (``width_mult``), ``pretrained`` and ``input_size`` for AlexNet only) are dropped when they are left at
+their defaults, and refused otherwise.
 """
 
 from __future__ import annotations
