@@ -215,6 +215,17 @@ def test_harmofl_paper_rows_carry_the_papers_avg_as_printed(name):
     assert "--avg-std clients" in cfg.paper_source
 
 
+def test_a_model_option_the_model_does_not_take_is_refused_when_the_config_is_read():
+    """ResNet-20 has no width, the ResNets and MobileNetV2 no classifier choice: refused at load, naming the key,
+    rather than when the first cell builds its model; at their defaults they are simply not passed."""
+    for override, key in (("model.width=0.5", "width"), ("model.classifier=fedwon", "classifier"),
+                          ("model.bn_mode=batch", "bn_mode")):
+        with pytest.raises(ConfigError, match=rf"model 'resnet20' has no option '{key}': remove model.{key}"):
+            load_config("default", ["model.name=resnet20", "data.domains=[rendered/print]", override])
+    assert load_config("default", ["model.name=resnet20", "data.domains=[rendered/print]"]).model.width == 1.0
+    assert load_config("default", ["model.width=0.5"]).model.width == 0.5  # the digit CNN takes a width
+
+
 def test_paper_rows_follow_the_setting_an_override_selects():
     """FedWon Table 3's preset is C = 0.1; at C = 0.2 or 0.4 its tables quote the paper's rows of that C."""
     base = load_config("fedwon_cross_device")

@@ -42,15 +42,18 @@ def model_builder(name: str) -> Callable[..., nn.Module]:
     return getattr(import_module(f"{__package__}.{module}"), attr)
 
 
+def unsupported_options(name: str, options: dict) -> list[str]:
+    """The keys of ``options`` that model ``name`` does not take, leaving out the data facts it may not need and the
+    optional settings left at their defaults (those are dropped when the model is built)."""
+    accepted = inspect.signature(model_builder(name)).parameters
+    return [key for key in options if key not in accepted and key not in _CONTEXT_OPTIONS
+            and not (key in _OPTIONAL_DEFAULTS and options[key] == _OPTIONAL_DEFAULTS[key])]
+
+
 def build_model(name: str, **options) -> nn.Module:
     builder = model_builder(name)
     accepted = inspect.signature(builder).parameters
-    for key in list(options):
-        if key not in accepted:
-            if key in _CONTEXT_OPTIONS:
-                del options[key]
-            elif key in _OPTIONAL_DEFAULTS and options[key] == _OPTIONAL_DEFAULTS[key]:
-                del options[key]
-            else:
-                raise ValueError(f"model {name!r} has no option {key!r} (it takes {', '.join(accepted)})")
-    return builder(**options)
+    bad = unsupported_options(name, options)
+    if bad:
+        raise ValueError(f"model {name!r} has no option {bad[0]!r} (it takes {', '.join(accepted)})")
+    return builder(**{k: v for k, v in options.items() if k in accepted})

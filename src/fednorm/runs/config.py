@@ -30,7 +30,7 @@ from ..methods.server import ROBUST_RULES, SERVER_OPTIMIZERS, SERVER_RULES
 from ..methods.tasks import DICE_BACKGROUND, LOSSES, METRICS, Task, build_task
 from ..models.alexnet import MIN_INPUT as ALEXNET_MIN_INPUT, PRETRAINED
 from ..models.norm import BATCHNORM_KINDS, NORM_KINDS
-from ..models.registry import MODEL_NAMES, build_model
+from ..models.registry import MODEL_NAMES, build_model, unsupported_options
 from ..models.wsconv import WSConv2d
 
 
@@ -172,6 +172,17 @@ class ModelConfig(_Strict):
     input_size: int | None = Field(
         None, ge=1, description="alexnet only: resize every batch to input_size x input_size (bilinear) at the start "
         "of the forward pass, e.g. 224 for 32 x 32 CIFAR images and the ImageNet weights (UniFed's size is lost)")
+
+    @model_validator(mode="after")
+    def _options_the_model_takes(self) -> "ModelConfig":
+        # checked when the config is read, not when the first cell builds its model
+        options = {k: getattr(self, k) for k in ("classifier", "width", "bn_mode")}
+        bad = unsupported_options(self.name, options)
+        if bad:
+            raise ValueError(f"model {self.name!r} has no option {bad[0]!r}: remove model.{bad[0]} (set to "
+                             f"{options[bad[0]]!r}; this model takes it only at its default, "
+                             f"{type(self).model_fields[bad[0]].default!r})")
+        return self
 
     @model_validator(mode="after")
     def _zero_pad_is_densenets(self) -> "ModelConfig":
