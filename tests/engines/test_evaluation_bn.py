@@ -111,6 +111,7 @@ def test_the_run_config_passes_the_option_and_checks_it_applies():
     with pytest.raises(ValueError, match="no method here keeps any"):
         tiny_run_config("methods=[fedavg, fedavg_gn]", "federation.evaluation_bn=recomputed")
     with pytest.raises(ValueError, match="bn_mode: batch keeps none"):
-        tiny_run_config("methods=[fedbn]", "model.bn_mode=batch", "federation.evaluation_bn=recomputed")
+        tiny_run_config("methods=[fedbn]", "model.name=densenet121", "model.bn_mode=batch",
+                        "federation.evaluation_bn=recomputed")
     with pytest.warns(ConfigWarning, match="fedavg share theirs"):
         tiny_run_config("methods=[fedbn, fedavg]", "federation.evaluation_bn=recomputed")
