@@ -174,15 +174,34 @@ def test_fednova_with_a_carried_over_momentum_buffer_warns_that_its_normalizatio
 
 def test_fedwon_preset_agc_at_small_batches_warns_that_the_paper_bypasses_it():
     """FedWon App. A.3: AGC only at B = 32, bypassed at B in {1, 2, 4}; an explicit agc_clip is the user's choice."""
+    head = "model.classifier=fedwon"
     with pytest.warns(ConfigWarning, match="bypasses it at small batches") as caught:
-        load_config("default", ["methods=[fedavg, fedwon]", "training.batch_size=4"])
+        load_config("default", ["methods=[fedavg, fedwon]", "training.batch_size=4", head])
     assert len(caught) == 1 and "'fedwon'" in str(caught[0].message) and "0.64" in str(caught[0].message)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load_config("default", ["methods=[fedwon]"])  # B = 32, the paper's
-        load_config("default", ["methods=[{name: fedwon, agc_clip: 0}]", "training.batch_size=2"])
-        load_config("default", ["methods=[{name: fedwon, agc_clip: 1.28}]", "training.batch_size=2"])  # ablation
+        load_config("default", ["methods=[fedwon]", head])  # B = 32, the paper's
+        load_config("default", ["methods=[{name: fedwon, agc_clip: 0}]", "training.batch_size=2", head])
+        load_config("default", ["methods=[{name: fedwon, agc_clip: 1.28}]", "training.batch_size=2", head])  # ablation
         for preset in ("fedwon_small_batch", "fedwon_small_batch_b1", "fedwon_cross_device", "fedwon_ablation"):
+            load_config(preset)
+
+
+def test_norm_free_method_with_the_fedbn_head_warns_that_it_is_not_fedwons_architecture():
+    """FedWon Tables 5-6: the norm-free CNN's head has Dropout before FC1 and FC2. The fedbn head (BN after FC1, FC2)
+    with its BN removed has none, so a ws / none method on it warns, naming model.classifier: fedwon."""
+    for methods in ("[fedavg, fedwon]", "[{name: fedavg, norm: none}]"):
+        with pytest.warns(ConfigWarning, match="model.classifier: fedwon") as caught:
+            load_config("default", [f"methods={methods}"])
+        assert len(caught) == 1 and "digit_cnn" in str(caught[0].message)
+    with pytest.warns(ConfigWarning, match="model.classifier: fedwon"):
+        load_config("fedwon_office", ["model.classifier=fedbn"])  # AlexNet has the same two heads
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config("default", ["methods=[fedavg, fedbn, fedavg_gn]"])  # the head keeps a normalization layer
+        load_config("default", ["methods=[fedwon]", "model.classifier=fedwon"])
+        load_config("default", ["methods=[fedwon]", "model.name=resnet18"])  # its own head, no classifier option
+        for preset in ("fedwon_digits", "fedwon_office", "fedwon_pacs", "fedwon_cross_device"):
             load_config(preset)
 
 

@@ -40,6 +40,7 @@ ON_DIVERGENCE: tuple[str, ...] = get_args(OnDivergence)  # `fednorm resume --on-
 
 # FedWon App. A.3: AGC is used at batch size 32 only; smaller batches train without it.
 AGC_MIN_BATCH = 32
+HEADLESS_NORMS = ("ws", "none")  # norms under which the fedbn classifier has no normalization layer
 
 
 class ConfigError(ValueError):
@@ -863,6 +864,16 @@ class ExperimentConfig(_Strict):
                     f"training.batch_size {self.training.batch_size}; FedWon's paper uses AGC only at batch size "
                     f"{AGC_MIN_BATCH} and bypasses it at small batches (App. A.3): set agc_clip: 0 for this method "
                     "as the paper, or set agc_clip explicitly to keep AGC", ConfigWarning, stacklevel=2)
+            if (norm in HEADLESS_NORMS and self.model.classifier == "fedbn"
+                    and not unsupported_options(self.model.name, {"classifier": "fedwon"})):
+                # FedWon Tables 5-6: without normalization the head is Dropout-FC-ReLU-Dropout-FC-ReLU-FC; the fedbn
+                # head with its BN removed has no dropout. Kept as a warning (not an error): a run comparing FedBN's
+                # own CNN with a norm-free one is a legitimate ablation
+                warnings.warn(
+                    f"method {m.display!r} builds {self.model.name} with norm {norm!r} and classifier fedbn, whose "
+                    "BN after FC1 and FC2 then leaves a plain FC-ReLU-FC-ReLU-FC head without dropout, not FedWon's "
+                    "head (Tables 5-6: Dropout before FC1 and FC2); set model.classifier: fedwon for FedWon's "
+                    "architecture (it applies to every method of the run)", ConfigWarning, stacklevel=2)
             if keeps_bn_state(method.policy) and norm not in BATCHNORM_KINDS:
                 raise ValueError(f"method {m.display!r} keeps BatchNorm state local but its model norm is {norm!r}")
             if self.model.pretrained != "none" and norm == "ws":
