@@ -302,6 +302,33 @@ def test_external_config_reaches_the_test_time_bn_settings():
     assert load_config("default").external.bn().unbiased is False
 
 
+def test_fedwon_table13_resnet20_preset_has_table10_rates_on_fedwon_offices_protocol():
+    """FedWon Table 13: the seven methods on Office-Caltech-10 with ResNet-20 and Table 10's learning rates, every
+    other setting fedwon_office's; the paper's Avg is the mean of its four domains."""
+    office, cfg = load_config("fedwon_office"), load_config("fedwon_office_resnet20")
+    table10 = {"fedavg": 0.1, "fedavg_gn": 0.03, "fedavg_ln": 0.01, "silobn": 0.05, "fixbn": 0.03, "fedbn": 0.03,
+               "fedwon": 0.1}
+    assert {m.display: m.lr for m in cfg.methods} == table10 and cfg.model.name == "resnet20"
+    assert [m.agc_clip for m in cfg.methods if m.display == "fedwon"] == [1.28]
+    assert (cfg.data, cfg.training, cfg.federation) == (office.data, office.training, office.federation)
+    for row in cfg.paper.values():
+        assert round(sum(row[d] for d in cfg.data.domains) / 4, 1) == pytest.approx(row["Avg"], abs=0.051)
+
+
+def test_fedwon_table12_unseen_domain_preset_scores_webcam_as_an_external_client():
+    """FedWon Table 12: A, C, D train; WebCam never trains and is scored zero-shot. The paper's WebCam number is
+    quoted under the global model for the shared-model methods and under FedBN App. G's averaged BN for FedBN."""
+    cfg = load_config("fedwon_office_unseen")
+    webcam = "office_caltech10/webcam@256"
+    assert webcam not in cfg.data.domains and cfg.external.domains == [webcam] and len(cfg.data.domains) == 3
+    assert [m.display for m in cfg.methods] == ["fedavg_nobn", "fedavg", "fedbn", "fedwon"]
+    assert cfg.methods[0].build().norm == "none"  # FedAvg w/o BN: BN removed, plain convolutions
+    unseen = {method: [k for k in row if k.startswith(webcam)] for method, row in cfg.paper.items()}
+    assert unseen == {"fedavg_nobn": [f"{webcam}:global"], "fedavg": [f"{webcam}:global"],
+                      "fedbn": [f"{webcam}:fedbn_average"], "fedwon": [f"{webcam}:global"]}
+    assert set(cfg.external.modes) == {"global", "fedbn_average"}
+
+
 def test_fedwon_table2_and_table20_batch_sizes_are_presets_with_table9_rates():
     """FedWon Table 2 (B = 1, 2) and Table 20 (B = 4): one preset per batch size, each fedwon_pacs's protocol with
     only the batch size and Table 9's learning rates changed (no AGC); BatchNorm methods are absent at B = 1 and
