@@ -71,7 +71,7 @@ def test_harmofl_amplitude_is_taken_on_the_augmented_training_batches(tiny_clien
     plan = eng.round_plan(0)
     eng.run_round()
     for (client, instructions), message in zip(plan, messages):
-        normalizer = amplitude_normalizer(eng.method.amplitude_norm, None).train()
+        normalizer = amplitude_normalizer(eng.method, None).train()
         augment = BatchAugment("fedbn_objects", augment_generator(instructions.seed))
         for index in batch_schedule(client.num_train, AUGMENTED, torch.Generator().manual_seed(instructions.seed),
                                     True):

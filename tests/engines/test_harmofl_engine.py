@@ -99,6 +99,33 @@ def test_code_variant_swaps_only_the_dc_amplitude_at_evaluation(tiny_clients):
     torch.testing.assert_close(got[..., not_dc], own[..., not_dc], rtol=1e-4, atol=1e-3)
 
 
+def test_code_variant_window_and_decay_are_method_options(tiny_clients):
+    """amplitude_band (the code's FDA window L) and amplitude_decay (v) replace the code variant's L = 0 and v = 0:
+    with L = 0.1 on 28 x 28 images evaluation swaps the frequencies -2..2 along each axis (b = floor(2.8)) and
+    keeps the image's own amplitude elsewhere; round 1's running amplitude decays with the given v."""
+    from fednorm.engines.client_step import amplitude_normalizer
+    from fednorm.methods.amplitude import low_frequency_mask
+
+    method = resolve_method("harmofl", amplitude_norm="code", amplitude_band=0.1, amplitude_decay=0.1)
+    running = amplitude_normalizer(method, None)
+    assert (running.band_ratio, running.decay, running.init) == (0.1, 0.1, "first_batch")
+    default = amplitude_normalizer(resolve_method("harmofl", amplitude_norm="code"), None)
+    assert (default.band_ratio, default.decay) == (0.0, 0.0)  # the code's own
+    torch.manual_seed(3)
+    eng = InProcessEngine(DigitCNN(width=0.125), tiny_clients, method, TRAIN,
+                          Federation(seed=0, channels_last=False), normalize_batch)
+    eng.run_round()
+    glob = eng.input_state["amp.global"]
+    images = tiny_clients[2].test.x[:4]
+    restored = eng.runner.evaluation_prepare(eng.input_state)(images) * 0.5 + 0.5
+    got, own = amplitude(restored), amplitude(images.float() / 255)
+    window = low_frequency_mask(28, 28, 0.1)
+    assert int(window.sum()) == 25
+    torch.testing.assert_close(got[..., window], glob[..., window].expand(4, -1, -1), rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(got[..., ~window], own[..., ~window], rtol=1e-4, atol=1e-3)
+    assert not torch.allclose(got[..., window], own[..., window], rtol=1e-2)
+
+
 def test_amplitude_methods_refuse_an_input_pipeline_they_would_replace(tiny_clients):
     """AmpNorm sits between /255 and normalize_batch's standardization: a custom pipeline (ImageNet statistics,
     say) would be dropped without a word, so the engine refuses it."""

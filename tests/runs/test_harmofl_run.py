@@ -80,6 +80,7 @@ def test_a_run_folder_written_before_config_yaml_recorded_the_amplitude_start_re
     document = yaml.safe_load((run / "config.yaml").read_text())
     assert [m["amplitude_init"] for m in document["methods"]] == [None, "zero"]  # the start is recorded
     for entry in document["methods"]:
+        del entry["amplitude_band"], entry["amplitude_decay"]  # fields added after that fednorm
         if written == "without the key":
             del entry["amplitude_init"]
         else:
@@ -117,9 +118,20 @@ def test_harmofl_presets_build_the_ablation_switches():
     for bad, says in (("{name: harmofl, amplitude_norm: code, amplitude_init: zero}", "keep it at zero"),
                       ("{name: harmofl, amplitude_norm: off, amplitude_init: zero}", "amplitude normalization is off"),
                       ("{name: fedavg, amplitude_init: first_batch}", "amplitude normalization is off"),
-                      ("{name: harmofl, amplitude_init: ones}", "amplitude_init")):
+                      ("{name: harmofl, amplitude_init: ones}", "amplitude_init"),
+                      ("{name: harmofl, amplitude_band: 0.1}", "amplitude_norm full replaces the whole spectrum"),
+                      ("{name: harmofl, amplitude_norm: off, amplitude_decay: 0.1}", "amplitude normalization is off"),
+                      ("{name: harmofl, amplitude_decay: 0}", "keep it at zero"),
+                      ("{name: harmofl, amplitude_norm: code, amplitude_band: 0.6}", "amplitude_band")):
         with pytest.raises(ValueError, match=says):
             load_config("harmofl_digits", [f"methods=[{bad}]"])
+    # the code variant's window and momentum as options: L = 0.01 with the momentum the code meant (0.1), which
+    # now lets its running amplitude start from zero as the paper's
+    intended = load_config("harmofl_digits", ["methods=[{name: harmofl, amplitude_norm: code, amplitude_band: 0.01, "
+                                              "amplitude_decay: 0.1, amplitude_init: zero}]"]).methods[0].build()
+    assert intended.amplitude_settings() == {"band_ratio": 0.01, "decay": 0.1, "init": "zero"}
+    assert code.amplitude_settings() == {"band_ratio": 0.0, "decay": 0.0, "init": "first_batch"}
+    assert methods["harmofl"].amplitude_settings() == {"band_ratio": None, "decay": 0.1, "init": "zero"}
     for name, loss in (("harmofl_camelyon17", "ce"), ("harmofl_nuclei", "dice"), ("harmofl_prostate", "ce_dice")):
         cfg = load_config(name)
         assert cfg.task().loss_name == loss and cfg.federation.weighting == "uniform"

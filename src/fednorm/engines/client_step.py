@@ -123,8 +123,7 @@ class ClientRunner:
                 raise ValueError(f"method {self.method.name!r} normalizes image amplitudes, but client {client.name!r} "
                                  f"holds {tuple(client.train.x.shape[1:])} {client.train.x.dtype} inputs, not images; "
                                  "use a method without amplitude_norm for feature vectors")
-            normalizer = amplitude_normalizer(self.method.amplitude_norm, (input_state or {}).get("amp.global"),
-                                              self.method.amplitude_init)
+            normalizer = amplitude_normalizer(self.method, (input_state or {}).get("amp.global"))
             normalizer.train()
             amplitude_prepare = AmplitudePrepare(normalizer, self.standardize.mean, self.standardize.std)
             prepare = lambda x: self.place(amplitude_prepare(self.standardize.center_crop(x)))  # noqa: E731
@@ -179,21 +178,19 @@ class ClientRunner:
         amp = (input_state or {}).get("amp.global")
         if not self.method.amplitude_norm or amp is None:
             return self.prepare
-        normalizer = amplitude_normalizer(self.method.amplitude_norm, amp).eval()
+        normalizer = amplitude_normalizer(self.method, amp).eval()
         amplitude_prepare = AmplitudePrepare(normalizer, self.standardize.mean, self.standardize.std, update=False)
         return lambda x: self.place(amplitude_prepare(self.standardize.center_crop(x)))
 
 
-def amplitude_normalizer(variant: str, global_amplitude: torch.Tensor | None,
-                         init: str | None = None) -> AmplitudeNormalizer:
-    """A client's normalizer: its own running amplitude (round 1), starting as ``init`` says (None: the variant's
-    own, the paper's zero for full, the first batch for code), or the frozen global one afterwards."""
-    band = 0.0 if variant == "code" else None  # the code swaps the DC coefficient only (FDA window, L = 0)
+def amplitude_normalizer(method: Method, global_amplitude: torch.Tensor | None) -> AmplitudeNormalizer:
+    """A client's normalizer under ``method``'s amplitude normalization (:meth:`Method.amplitude_settings`: the
+    variant's window, decay and start, or the method's own): its running amplitude (round 1), or the frozen global
+    one afterwards (same window)."""
+    settings = method.amplitude_settings()
     if global_amplitude is not None:
-        return AmplitudeNormalizer.from_amplitude(global_amplitude, band_ratio=band)
-    if variant == "code":
-        return AmplitudeNormalizer.official_code()  # first batch (Method refuses code with init zero)
-    return AmplitudeNormalizer(init=init or "zero")
+        return AmplitudeNormalizer.from_amplitude(global_amplitude, band_ratio=settings["band_ratio"])
+    return AmplitudeNormalizer(**settings)
 
 
 def update_input_state(input_state: dict[str, torch.Tensor], messages: list[dict[str, torch.Tensor]],

@@ -46,6 +46,8 @@ Official-code variants (:meth:`AmplitudeNormalizer.official_code`):
 * momentum: the code's Cython ``process`` types the momentum as ``int``, so 0.1 becomes 0 and the
   running amplitude stays the first training batch's mean amplitude: ``decay=0.0`` with
   ``init="first_batch"``.
+* both are method options on top of ``amplitude_norm: code`` (``amplitude_band``: L, ``amplitude_decay``: v;
+  :meth:`fednorm.methods.presets.Method.amplitude_settings`), e.g. the momentum the code meant, 0.1.
 * the code updates the running amplitude at every forward pass until the amplitude is fixed (so
   twice per weight-perturbation step in round 1); here it is updated once per batch, where the
   batch is prepared, as Eq. 3 indexes it by batch.

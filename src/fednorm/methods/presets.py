@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..models.norm import check_norm
+from .amplitude import DEFAULT_DECAY
 from .amplitude import INITS as AMPLITUDE_INITS
 from .policy import check_policy
 from .client_algorithms import ClientSpec
@@ -42,6 +43,12 @@ class Method:
     # where the running amplitude starts (amplitude.py): "zero" (the paper, Eq. 3) or "first_batch" (the
     # official code); None = the variant's own (full: zero, code: first_batch)
     amplitude_init: str | None = None
+    # the official code's FDA window ratio L for amplitude_norm "code" (amplitude.low_frequency_mask: half-width
+    # floor(min(H, W) * L) around the DC term); None = the code's L = 0, the DC coefficient alone
+    amplitude_band: float | None = None
+    # the running amplitude's decay v (Eq. 3); None = the variant's own: 0.1 for full (the paper), 0 for code (the
+    # code's Cython int truncation of its 0.1; amplitude_decay 0.1 gives the momentum the code intended)
+    amplitude_decay: float | None = None
     # the model normalization the method needs (FedWon: "ws", FedAvg+GN: "gn"); None = the config's model.norm
     norm: str | None = None
     # adaptive gradient clipping threshold lambda (FedWon: 0.64 digits, 1.28 Office/DomainNet); 0 = off
@@ -73,10 +80,7 @@ class Method:
             if self.amplitude_norm is None:
                 raise ValueError(f"method {self.name!r} sets amplitude_init but amplitude normalization is off: "
                                  "remove amplitude_init, or set amplitude_norm: full or code")
-            if self.amplitude_norm == "code" and self.amplitude_init == "zero":
-                raise ValueError("amplitude_norm code keeps the running amplitude with momentum 0 (the official code), "
-                                 "so amplitude_init zero would keep it at zero: use amplitude_init first_batch, or "
-                                 "amplitude_norm full for the paper's Eq. 3 from zero")
+        self._check_amplitude_options()
         if self.pooled and self.union_batches:
             raise ValueError("pooled and union_batches are two different centralized references; pick one")
         if self.union_batches:
@@ -92,6 +96,39 @@ class Method:
                                  f"step), which has no use for {', '.join(ignored)}: remove them")
         if self.prox_schedule not in PROX_SCHEDULES:
             raise ValueError(f"prox_schedule must be one of {', '.join(PROX_SCHEDULES)}, got {self.prox_schedule!r}")
+
+    def _check_amplitude_options(self) -> None:
+        for key, value in (("amplitude_band", self.amplitude_band), ("amplitude_decay", self.amplitude_decay)):
+            if value is not None and self.amplitude_norm is None:
+                raise ValueError(f"method {self.name!r} sets {key} but amplitude normalization is off: remove {key}, "
+                                 "or set amplitude_norm: full or code")
+        if self.amplitude_band is not None:
+            if self.amplitude_norm != "code":
+                raise ValueError(f"method {self.name!r}: amplitude_band is the official code's low-frequency window; "
+                                 "amplitude_norm full replaces the whole spectrum (the paper): set amplitude_norm: code, "
+                                 "or remove amplitude_band")
+            if not 0.0 <= self.amplitude_band <= 0.5:
+                raise ValueError(f"amplitude_band must be in [0, 0.5] (0 = the DC coefficient only), got "
+                                 f"{self.amplitude_band}")
+        if self.amplitude_decay is not None and not 0.0 <= self.amplitude_decay <= 1.0:
+            raise ValueError(f"amplitude_decay (v of Eq. 3) must be in [0, 1], got {self.amplitude_decay}")
+        settings = self.amplitude_settings()
+        if self.amplitude_norm is not None and settings["decay"] == 0.0 and settings["init"] == "zero":
+            # the code variant's momentum is 0 unless amplitude_decay says otherwise
+            raise ValueError(f"method {self.name!r}: a running amplitude with decay 0 (amplitude_norm "
+                             f"{self.amplitude_norm}, amplitude_decay {self.amplitude_decay}) started at amplitude_init "
+                             "zero would keep it at zero: use amplitude_init first_batch or a decay above 0"
+                             + (", or amplitude_norm full for the paper's Eq. 3 from zero" if self.amplitude_decay is None
+                                else ""))
+
+    def amplitude_settings(self) -> dict:
+        """The amplitude normalizer's settings (:class:`fednorm.methods.amplitude.AmplitudeNormalizer`): the
+        variant's own (full: whole spectrum, v = 0.1, zero start; code: DC only, v = 0, first-batch start) with the
+        method's amplitude_band / amplitude_decay / amplitude_init in their place where set."""
+        code = self.amplitude_norm == "code"
+        return {"band_ratio": self.amplitude_band if self.amplitude_band is not None else (0.0 if code else None),
+                "decay": self.amplitude_decay if self.amplitude_decay is not None else (0.0 if code else DEFAULT_DECAY),
+                "init": self.amplitude_init or ("first_batch" if code else "zero")}
 
     @property
     def communicates(self) -> bool:

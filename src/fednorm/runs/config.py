@@ -297,6 +297,12 @@ class MethodConfig(_Strict):
         None, description="where a client's running amplitude starts in round 1: zero (the paper's Eq. 3, default "
         "with amplitude_norm full) or first_batch (the official code's, default with code); filled in when the "
         "config is read, so a run folder's config.yaml names the start its runs used")
+    amplitude_band: float | None = Field(
+        None, ge=0, le=0.5, description="amplitude_norm code only: the official code's low-frequency window ratio L "
+        "(half-width floor(min(H, W) * L) around the DC term; unset: the code's L = 0, the DC coefficient alone)")
+    amplitude_decay: float | None = Field(
+        None, ge=0, le=1, description="the running amplitude's decay v (HarmoFL Eq. 3); unset: 0.1 with full (the "
+        "paper), 0 with code (the code's int truncation of its 0.1)")
 
     @model_validator(mode="before")
     @classmethod
@@ -393,13 +399,17 @@ class MethodConfig(_Strict):
             server=self.server.model_dump(exclude_none=True) if self.server else None,
             client=self.client,
             weight_perturbation=self.weight_perturbation,
-            amplitude_norm=None if self.amplitude_norm == "off" else self.amplitude_norm,
-            amplitude_init=self.amplitude_init,
         )
-        if self.amplitude_norm == "off" and method.amplitude_norm is not None:
+        # the amplitude fields in one replace, so Method checks them together (resolve_method ignores None values,
+        # and amplitude_norm off is None on the Method: an amplitude option on a method switched off is refused)
+        amplitude = {k: v for k, v in (("amplitude_init", self.amplitude_init), ("amplitude_band", self.amplitude_band),
+                                       ("amplitude_decay", self.amplitude_decay)) if v is not None}
+        if self.amplitude_norm is not None:
+            amplitude["amplitude_norm"] = None if self.amplitude_norm == "off" else self.amplitude_norm
+        if amplitude:
             from dataclasses import replace
 
-            method = replace(method, amplitude_norm=None)  # resolve_method ignores None: switch it off here
+            method = replace(method, **amplitude)
         return method
 
 

@@ -609,7 +609,7 @@ _CONFIG_EDITS_ALLOWED = {"name", "description", "paper", "paper_source", "paper_
 
 # method fields added after run.json recorded fingerprints: left out of the methods' fingerprint while unset, so
 # runs begun before they existed (whose methods were fingerprinted without them) keep resuming
-METHOD_FIELDS_ADDED_LATER = ("amplitude_init",)
+METHOD_FIELDS_ADDED_LATER = ("amplitude_init", "amplitude_band", "amplitude_decay")
 
 
 def config_fingerprint(config: ExperimentConfig, written_without: Collection[int] = ()) -> dict[str, str]:
