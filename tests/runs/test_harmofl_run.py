@@ -135,4 +135,6 @@ def test_harmofl_presets_build_the_ablation_switches():
     for name, loss in (("harmofl_camelyon17", "ce"), ("harmofl_nuclei", "dice"), ("harmofl_prostate", "ce_dice")):
         cfg = load_config(name)
         assert cfg.task().loss_name == loss and cfg.federation.weighting == "uniform"
+        # the code validates the server model after every round and keeps the best: selection needs every round
+        assert cfg.federation.eval_every == load_config(name.replace("harmofl_", "harmofl_ablation_")).federation.eval_every == 1
         assert set(cfg.paper) <= {m.display for m in cfg.methods}
