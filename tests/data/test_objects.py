@@ -197,6 +197,41 @@ def test_office_missing_listed_image_and_missing_archive_are_explained(tmp_path)
     assert "office_caltech_10_dataset.zip" in str(info.value) and str(tmp_path / "empty") in str(info.value)
 
 
+class _Tampered:
+    """A pickle that would create ``path`` when loaded by pickle's own loader (it calls builtins.open)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_fedbn_pickles_are_read_as_arrays_only_and_a_tampered_one_runs_nothing(tmp_path, protocol):
+    """FedBN's files come unpickled from a mirror without checksums: arrays, tuples, lists and strings load in every
+    pickle protocol and as np.save's object arrays; a pickle naming any other global is refused before it runs."""
+    from fednorm.data.objects import load_fedbn_pair
+
+    images, labels = np.arange(2 * 4 * 4 * 3, dtype=np.uint8).reshape(2, 4, 4, 3), np.array([3, 7])
+    buffer = io.BytesIO()
+    np.save(buffer, np.array([images, labels, None], dtype=object)[:2], allow_pickle=True)  # a 2-object .npy
+    for data in (pickle.dumps((images, labels), protocol=protocol), pickle.dumps([images, labels], protocol=protocol),
+                 buffer.getvalue()):
+        x, y = load_fedbn_pair(data, "the test file", "(images, labels)")
+        assert np.array_equal(x, images) and x.dtype == np.uint8 and np.array_equal(y, labels)
+    marker = tmp_path / "ran"
+    for data in (pickle.dumps((_Tampered(marker), labels), protocol=protocol),
+                 pickle.dumps(np.array([_Tampered(marker), labels], dtype=object), protocol=protocol)):
+        with pytest.raises(DataError, match=r"Cannot unpickle the test file .*(builtins|io)\.open.*Get FedBN's files again"):
+            load_fedbn_pair(data, "the test file", "(images, labels)")
+    buffer = io.BytesIO()
+    np.save(buffer, np.array([_Tampered(marker), labels], dtype=object), allow_pickle=True)
+    with pytest.raises(DataError, match=r"(builtins|io)\.open"):
+        load_fedbn_pair(buffer.getvalue(), "the test file", "(images, labels)")
+    assert not marker.exists()
+
+
 def test_fedbn_lists_are_read_as_fedbn_reads_them(tmp_path):
     """FedBN loads its lists with np.load(allow_pickle=True): a pickled tuple, a pickled 2 x N array and
     an .npy file under the .pkl name all give the same (paths, labels)."""

@@ -38,6 +38,7 @@ the papers' resolution.
 from __future__ import annotations
 
 import io
+import pickle
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -166,12 +167,53 @@ def image_to_array(image, size: int) -> np.ndarray:
     return np.asarray(image, dtype=np.uint8)
 
 
+# what a FedBN pickle may name: numpy's array and scalar reconstructors (numpy 1 and 2 module names; protocol 5's
+# _frombuffer) and the bytes codec of protocol-2 pickles. Tuples, lists, strings and numbers need no global.
+_ARRAY_GLOBALS = frozenset({
+    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+    ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
+    ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
+})
+
+
+class _ArraysOnly(pickle.Unpickler):
+    """An unpickler that builds numpy arrays, tuples, lists, strings and numbers and refuses every other global, so
+    a tampered file cannot run code (pickle's own loader calls whatever the file names)."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ARRAY_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which is not part of a numpy array")
+
+
+def _unpickle_arrays(data: bytes):
+    """``np.load(..., allow_pickle=True)`` of FedBN's files, with the pickled parts read by :class:`_ArraysOnly`:
+    an ``.npy`` file (np.save pickles an object array's contents after its header) or a plain pickle."""
+    if not data.startswith(b"\x93NUMPY"):
+        return _ArraysOnly(io.BytesIO(data)).load()
+    fp = io.BytesIO(data)
+    version = np.lib.format.read_magic(fp)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(fp)
+    else:
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(fp)
+    if not dtype.hasobject:
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    array = _ArraysOnly(fp).load()  # np.save: pickle.dump(array, fp) after the header
+    if not isinstance(array, np.ndarray) or array.shape != shape:
+        raise pickle.UnpicklingError(f"its header promises an array of shape {shape}, the pickle holds "
+                                     f"{type(array).__name__}")
+    return array
+
+
 def load_fedbn_pair(data: bytes, what: str, pair: str) -> tuple:
     """A pickled pair as FedBN reads its files (``np.load(..., allow_pickle=True)``, then unpacked): a pickled
-    tuple or list, a pickled 2 x N array, or an ``.npy`` file under a ``.pkl`` name. Pickle can run code: only
-    read files from a source you trust."""
+    tuple or list, a pickled 2 x N array, or an ``.npy`` file under a ``.pkl`` name. Only numpy arrays, tuples,
+    lists, strings and numbers are unpickled (:class:`_ArraysOnly`): a file naming anything else is refused before
+    it can run code, since FedBN's files come from a mirror without checksums."""
     try:
-        obj = np.load(io.BytesIO(data), allow_pickle=True)
+        obj = _unpickle_arrays(data)
     except Exception as exc:  # noqa: BLE001 - unpickling can raise almost anything
         raise DataError(f"Cannot unpickle {what} ({type(exc).__name__}: {exc}). Get FedBN's files again.") from exc
     if isinstance(obj, np.ndarray) and obj.dtype == object and obj.ndim == 0:
@@ -289,7 +331,7 @@ class RawImages:
 
         The file is a pickled ``(paths, text_labels)``, read as FedBN reads it: ``np.load(...,
         allow_pickle=True)``, which also takes a pickled 2 x N array or an ``.npy`` file under the
-        ``.pkl`` name. Pickle can run code: only read lists from a source you trust.
+        ``.pkl`` name; only arrays, tuples, lists and strings are unpickled (:func:`load_fedbn_pair`).
         """
         ref = self.lists[name]
         try:

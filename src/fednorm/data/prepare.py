@@ -291,7 +291,7 @@ def _read_pickle_pair(path: Path) -> tuple[np.ndarray, np.ndarray]:
         data = path.read_bytes()
     except OSError as exc:
         raise DataError(f"Cannot read {path} ({exc}). Get FedBN's files again.") from exc
-    x, y = load_fedbn_pair(data, str(path), "(images, labels)")  # only load trusted files
+    x, y = load_fedbn_pair(data, str(path), "(images, labels)")
     x, y = np.asarray(x), np.asarray(y)
     if x.dtype != np.uint8 or x.ndim != 4 or x.shape[-1] != 3 or x.shape[1] != x.shape[2]:
         raise DataError(f"{path}: images must be uint8 (N, H, W, 3), got {x.dtype} {x.shape}. Is this FedBN's "
@@ -310,8 +310,9 @@ def read_fedbn_partitions(folder: Path, parts: int = 10) -> dict[str, np.ndarray
     from a med-air/FedBN ``data/<Dataset>`` folder (``utils/data_preprocess.py``, ``split``).
 
     Each file is a pickled tuple ``(images, labels)``; FedBN's SVHN and SynthDigits images are
-    (N, 32, 32, 3) uint8 (its training code resizes to 28 x 28 on the fly). Pickle can run code:
-    read only files from a source you trust.
+    (N, 32, 32, 3) uint8 (its training code resizes to 28 x 28 on the fly). Only arrays, tuples, lists,
+    strings and numbers are unpickled (:func:`fednorm.data.objects.load_fedbn_pair`): a file naming any other
+    global is refused before it runs.
     """
     folder = Path(folder)
     xs, ys = zip(*(_read_pickle_pair(folder / "partitions" / f"train_part{i}.pkl")
