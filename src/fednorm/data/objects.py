@@ -177,7 +177,7 @@ _ARRAY_GLOBALS = frozenset({
 })
 
 
-class _ArraysOnly(pickle.Unpickler):
+class ArraysOnlyUnpickler(pickle.Unpickler):
     """An unpickler that builds numpy arrays, tuples, lists, strings and numbers and refuses every other global, so
     a tampered file cannot run code (pickle's own loader calls whatever the file names)."""
 
@@ -188,10 +188,10 @@ class _ArraysOnly(pickle.Unpickler):
 
 
 def _unpickle_arrays(data: bytes):
-    """``np.load(..., allow_pickle=True)`` of FedBN's files, with the pickled parts read by :class:`_ArraysOnly`:
+    """``np.load(..., allow_pickle=True)`` of FedBN's files, with the pickled parts read by :class:`ArraysOnlyUnpickler`:
     an ``.npy`` file (np.save pickles an object array's contents after its header) or a plain pickle."""
     if not data.startswith(b"\x93NUMPY"):
-        return _ArraysOnly(io.BytesIO(data)).load()
+        return ArraysOnlyUnpickler(io.BytesIO(data)).load()
     fp = io.BytesIO(data)
     version = np.lib.format.read_magic(fp)
     if version == (1, 0):
@@ -200,7 +200,7 @@ def _unpickle_arrays(data: bytes):
         shape, fortran, dtype = np.lib.format.read_array_header_2_0(fp)
     if not dtype.hasobject:
         return np.load(io.BytesIO(data), allow_pickle=False)
-    array = _ArraysOnly(fp).load()  # np.save: pickle.dump(array, fp) after the header
+    array = ArraysOnlyUnpickler(fp).load()  # np.save: pickle.dump(array, fp) after the header
     if not isinstance(array, np.ndarray) or array.shape != shape:
         raise pickle.UnpicklingError(f"its header promises an array of shape {shape}, the pickle holds "
                                      f"{type(array).__name__}")
@@ -210,7 +210,7 @@ def _unpickle_arrays(data: bytes):
 def load_fedbn_pair(data: bytes, what: str, pair: str) -> tuple:
     """A pickled pair as FedBN reads its files (``np.load(..., allow_pickle=True)``, then unpacked): a pickled
     tuple or list, a pickled 2 x N array, or an ``.npy`` file under a ``.pkl`` name. Only numpy arrays, tuples,
-    lists, strings and numbers are unpickled (:class:`_ArraysOnly`): a file naming anything else is refused before
+    lists, strings and numbers are unpickled (:class:`ArraysOnlyUnpickler`): a file naming anything else is refused before
     it can run code, since FedBN's files come from a mirror without checksums."""
     try:
         obj = _unpickle_arrays(data)

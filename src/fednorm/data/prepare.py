@@ -43,8 +43,8 @@ from .cifar10 import CIFAR10_CLASSES, CIFAR10_FILE
 from .datafolder import MANIFEST_NAME
 from .digits import FEDBN_PRESPLIT_KEY, REAL_DIGIT_DOMAINS
 from .domain import DataError
-from .objects import (DEFAULT_SIZE, DOMAINNET, OFFICE_CALTECH10, ObjectDataset, RawImages, check_size,
-                      load_fedbn_pair)
+from .objects import (DEFAULT_SIZE, DOMAINNET, OFFICE_CALTECH10, ArraysOnlyUnpickler, ObjectDataset, RawImages,
+                      check_size, load_fedbn_pair)
 from .download import download as _download
 from .download import sha256_of, verify_file
 
@@ -357,8 +357,13 @@ def _cifar_batch(tar: tarfile.TarFile, name: str, archive: Path) -> tuple[np.nda
         raise DataError(f"{archive} lacks cifar-10-batches-py/{name}. Delete it and download the "
                         "official archive again.")
     with fh:
-        # Python 2 pickles (the official "python version"); latin1 keeps numpy arrays intact.
-        batch = pickle.load(fh, encoding="latin1")
+        # Python 2 pickles (the official "python version"); latin1 keeps numpy arrays intact. Arrays, dicts, strings
+        # and numbers only: anything else the file names is refused, not run
+        try:
+            batch = ArraysOnlyUnpickler(fh, encoding="latin1").load()
+        except pickle.UnpicklingError as exc:
+            raise DataError(f"{archive}: batch {name} cannot be read ({exc}). Delete the archive and download "
+                            "cifar-10-python.tar.gz again.") from exc
     if not isinstance(batch, dict):
         raise DataError(f"{archive}: batch {name} is a pickled {type(batch).__name__}, not the dict of the official "
                         "CIFAR-10 python version. Delete the archive and download cifar-10-python.tar.gz again.")
