@@ -161,6 +161,22 @@ def test_convert_removes_every_norm_and_swaps_every_conv():
     assert F.cross_entropy(model(x), y) < first
 
 
+def test_convert_says_which_convolutions_it_leaves_unstandardized():
+    """FedWon standardizes 2-D convolutions (Listing 1): a 1-D, 3-D or transposed conv of an arbitrary model is left
+    as it is, and the converter names each one rather than leave it plain without a word."""
+    import warnings
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ConvTranspose2d(4, 4, 2, stride=2),
+                          nn.Sequential(nn.Conv1d(4, 4, 1), nn.Conv3d(4, 4, 1)))
+    with pytest.warns(UserWarning, match=r"3 other convolution\(s\) stay unstandardized: 2 \(ConvTranspose2d\), "
+                      r"3\.0 \(Conv1d\), 3\.1 \(Conv3d\)"):
+        convert_to_ws(model)
+    assert isinstance(model[0], WSConv2d) and type(model[2]) is nn.ConvTranspose2d
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert_to_ws(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 3, groups=4)))
+
+
 def test_convert_can_keep_each_convs_bias_choice():
     model = convert_to_ws(nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4)), bias=None)
     assert model[0].bias is None and isinstance(model[1], nn.Identity)

@@ -23,6 +23,8 @@ torchvision's FrozenBatchNorm2d) becomes an
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -115,7 +117,8 @@ def remove_norm_layers(model: nn.Module) -> nn.Module:
 def convert_to_ws(
     model: nn.Module, *, bias: bool | None = True, eps: float = WS_EPS, variance: str = "unbiased"
 ) -> nn.Module:
-    """FedWon's conversion, in place: remove every normalization layer and swap each Conv2d for WSConv2d.
+    """FedWon's conversion, in place: remove every normalization layer and swap each Conv2d for WSConv2d (other
+    convolutions, 1-D, 3-D or transposed, have no standardized form in the paper: left as they are, with a warning).
 
     ``bias=True`` (default) gives every WSConv a bias, as Listing 1's default: the removed
     normalization layer carried the per-channel shift, and torchvision convs followed by BN are built
@@ -145,4 +148,12 @@ def convert_to_ws(
                 swap(child, f"{path}.")
 
     swap(model, "")
+    plain = [f"{name} ({type(m).__name__})" for name, m in model.named_modules()
+             if isinstance(m, nn.modules.conv._ConvNd) and not isinstance(m, nn.Conv2d)]
+    if plain:
+        # FedWon defines WSConv for 2-D convolutions only (Listing 1); a 1-D / 3-D or transposed conv has no
+        # standardized form in the paper, so it is left as it is, and said
+        warnings.warn(f"convert_to_ws standardizes nn.Conv2d only (FedWon Listing 1); {len(plain)} other "
+                      f"convolution(s) stay unstandardized: {', '.join(plain[:5])}"
+                      + (", ..." if len(plain) > 5 else ""), stacklevel=2)
     return model
