@@ -107,6 +107,20 @@ def test_alexnet_group_counts_follow_fedwon_table6():
         (32, 64), (32, 192), (64, 384), (64, 256), (64, 256)]
 
 
+def test_group_counts_a_width_multiplier_breaks_are_lowered_with_a_warning():
+    """At width 0.75 AlexNet's first conv has 48 channels, which Table 6's 32 groups do not divide: 24 are used and
+    the warning names both counts; at width 1 every count divides and nothing is said."""
+    import warnings
+
+    with pytest.warns(UserWarning, match="GroupNorm over 48 channels uses 24 groups instead of 32"):
+        model = AlexNet(norm="gn", classifier="fedwon", width=0.75)
+    assert [(g.num_groups, g.num_channels) for g in layers(model, nn.GroupNorm)][0] == (24, 48)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AlexNet(norm="gn", classifier="fedwon")
+        mobilenet_v2(norm="gn")  # FedWon's 32 / 8 / 24 rule divides every layer
+
+
 def test_alexnet_plain_conv3_option_only_changes_conv3_under_ws():
     convs = layers(AlexNet(norm="ws", classifier="fedwon", plain_conv3=True, width=0.125), nn.Conv2d)
     assert [isinstance(c, WSConv2d) for c in convs] == [True, True, False, True, True]

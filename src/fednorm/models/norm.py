@@ -18,6 +18,7 @@ class.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -42,12 +43,22 @@ def default_groups(num_channels: int) -> int:
 
     The digit CNN and AlexNet pass their tables' counts explicitly instead (FedWon Tables 5 and 6:
     32 groups after the first two convs, 64 after the others). If a count does not divide the
-    channels (a width multiplier in tests), it is lowered until it does.
+    channels (a width multiplier), :func:`fitted_groups` lowers it until it does, with a warning.
     """
-    groups = 8 if num_channels < 32 else 24 if num_channels == 144 else 32
-    groups = min(groups, num_channels)
+    return 8 if num_channels < 32 else 24 if num_channels == 144 else 32
+
+
+def fitted_groups(requested: int, num_channels: int) -> int:
+    """``requested`` GroupNorm groups over ``num_channels``, lowered to the largest count that divides the channels
+    (and at most the channels) when it does not, with a warning naming both: the papers' counts assume width 1."""
+    groups = min(requested, num_channels)
     while num_channels % groups:
         groups -= 1
+    if groups != requested:
+        # Python shows a given message once per place, so a model of many such layers warns once per layer size
+        warnings.warn(f"GroupNorm over {num_channels} channels uses {groups} groups instead of {requested}, which does "
+                      f"not divide {num_channels} (a width multiplier changed the channel count; the papers' group "
+                      "counts assume width 1)", stacklevel=3)
     return groups
 
 
@@ -65,10 +76,7 @@ def make_norm(kind: str, num_features: int, *, spatial: bool = True, groups: int
 
         return FederatedBatchNorm2d(num_features) if spatial else FederatedBatchNorm1d(num_features)
     if kind == "gn":
-        g = groups or default_groups(num_features)
-        while num_features % g:
-            g -= 1
-        return nn.GroupNorm(g, num_features)
+        return nn.GroupNorm(fitted_groups(groups or default_groups(num_features), num_features), num_features)
     if kind == "ln":
         return nn.GroupNorm(1, num_features)
     if kind == "in":
