@@ -507,3 +507,28 @@ def test_the_office_presets_build_fedbns_protocol_at_256(office_raw, tmp_path):
         assert cfg.training.augment == "fedbn_objects"
         for row in cfg.paper.values():
             assert set(row) == {c.name for c in clients}
+
+
+def test_fedwon_table12_preset_runs_webcam_as_an_unseen_client_under_the_papers_columns(office_raw, tmp_path):
+    """fedwon_office_unseen (FedWon Table 12) on a prepared Office folder: Amazon, Caltech and DSLR train, WebCam is
+    only scored, and every paper number of the preset lands on a column the run reports."""
+    from fednorm.runs.config import load_config
+    from fednorm.runs.runner import start_run
+
+    raw, _ = office_raw
+    data = tmp_path / "data"
+    prepare.prepare_office_caltech10(data, raw_dir=raw, download=False, progress=False, size=256)
+    cfg = load_config("fedwon_office_unseen", ["methods=[fedavg_nobn, fedbn]", "seeds=[0]", "federation.rounds=1",
+                                               "model.width=0.125", f"data.data_dir={data}"])
+    results = start_run(cfg, tmp_path / "run", data_dir=str(data))
+    webcam = "office_caltech10/webcam@256"
+    for r in results:
+        columns = {c["name"]: c for c in r.summary["clients"]}
+        assert [n for n, c in columns.items() if not c.get("external")] == [
+            f"office_caltech10/{d}@256" for d in ("amazon", "caltech", "dslr")]
+        assert set(cfg.paper[r.label]) <= set(columns)
+        assert columns[f"{webcam}:global"]["external"]
+    scored = {r.label: [c["name"] for c in r.summary["clients"] if c["name"].startswith(webcam) and "test" in c]
+              for r in results}
+    # FedAvg w/o BN has no BN: only the global model is scored (its fedbn_average column stays empty); FedBN gets both
+    assert scored == {"fedavg_nobn": [f"{webcam}:global"], "fedbn": [f"{webcam}:global", f"{webcam}:fedbn_average"]}
