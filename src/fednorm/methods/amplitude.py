@@ -62,6 +62,11 @@ from torch import nn
 
 INITS = ("first_batch", "zero")
 DEFAULT_DECAY = 0.1
+# the two variants' normalizer settings (AmplitudeNormalizer's keyword arguments): the paper's whole spectrum with
+# v = 0.1 from zero, and the official code's DC coefficient (window L = 0) with its truncated momentum 0 from the
+# first batch. One place: AmplitudeNormalizer.official_code, Method.amplitude_settings and the config's defaults
+VARIANTS = {"full": {"band_ratio": None, "decay": DEFAULT_DECAY, "init": "zero"},
+            "code": {"band_ratio": 0.0, "decay": 0.0, "init": "first_batch"}}
 
 
 def _check_images(x: torch.Tensor, what: str = "images") -> None:
@@ -212,7 +217,7 @@ class AmplitudeNormalizer(nn.Module):
     def official_code(cls, shape: Sequence[int] | None = None, *, truncated_momentum: bool = True) -> "AmplitudeNormalizer":
         """The official repository's behaviour: DC-only swap (``L = 0``), first-batch initialisation,
         and momentum 0 (the Cython ``int`` truncation of 0.1); ``truncated_momentum=False`` keeps 0.1."""
-        return cls(shape, decay=0.0 if truncated_momentum else DEFAULT_DECAY, init="first_batch", band_ratio=0.0)
+        return cls(shape, **{**VARIANTS["code"], **({} if truncated_momentum else {"decay": DEFAULT_DECAY})})
 
     @classmethod
     def from_amplitude(cls, amp: torch.Tensor, *, band_ratio: float | None = None) -> "AmplitudeNormalizer":

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..models.norm import check_norm
-from .amplitude import DEFAULT_DECAY
 from .amplitude import INITS as AMPLITUDE_INITS
+from .amplitude import VARIANTS as AMPLITUDE_VARIANTS
+from .amplitude import AmplitudeNormalizer
 from .policy import check_policy
 from .client_algorithms import ClientSpec
 from .server import ServerSpec
@@ -102,33 +103,33 @@ class Method:
             if value is not None and self.amplitude_norm is None:
                 raise ValueError(f"method {self.name!r} sets {key} but amplitude normalization is off: remove {key}, "
                                  "or set amplitude_norm: full or code")
-        if self.amplitude_band is not None:
-            if self.amplitude_norm != "code":
-                raise ValueError(f"method {self.name!r}: amplitude_band is the official code's low-frequency window; "
-                                 "amplitude_norm full replaces the whole spectrum (the paper): set amplitude_norm: code, "
-                                 "or remove amplitude_band")
-            if not 0.0 <= self.amplitude_band <= 0.5:
-                raise ValueError(f"amplitude_band must be in [0, 0.5] (0 = the DC coefficient only), got "
-                                 f"{self.amplitude_band}")
-        if self.amplitude_decay is not None and not 0.0 <= self.amplitude_decay <= 1.0:
-            raise ValueError(f"amplitude_decay (v of Eq. 3) must be in [0, 1], got {self.amplitude_decay}")
+        if self.amplitude_norm is None:
+            return
+        if self.amplitude_band is not None and self.amplitude_norm != "code":
+            raise ValueError(f"method {self.name!r}: amplitude_band is the official code's low-frequency window; "
+                             "amplitude_norm full replaces the whole spectrum (the paper): set amplitude_norm: code, "
+                             "or remove amplitude_band")
         settings = self.amplitude_settings()
-        if self.amplitude_norm is not None and settings["decay"] == 0.0 and settings["init"] == "zero":
+        if settings["decay"] == 0.0 and settings["init"] == "zero":
             # the code variant's momentum is 0 unless amplitude_decay says otherwise
             raise ValueError(f"method {self.name!r}: a running amplitude with decay 0 (amplitude_norm "
                              f"{self.amplitude_norm}, amplitude_decay {self.amplitude_decay}) started at amplitude_init "
                              "zero would keep it at zero: use amplitude_init first_batch or a decay above 0"
                              + (", or amplitude_norm full for the paper's Eq. 3 from zero" if self.amplitude_decay is None
                                 else ""))
+        try:
+            AmplitudeNormalizer(**settings)  # the normalizer's own checks: the window and decay ranges
+        except ValueError as exc:
+            raise ValueError(f"method {self.name!r}: {exc}") from None
 
     def amplitude_settings(self) -> dict:
         """The amplitude normalizer's settings (:class:`fednorm.methods.amplitude.AmplitudeNormalizer`): the
-        variant's own (full: whole spectrum, v = 0.1, zero start; code: DC only, v = 0, first-batch start) with the
-        method's amplitude_band / amplitude_decay / amplitude_init in their place where set."""
-        code = self.amplitude_norm == "code"
-        return {"band_ratio": self.amplitude_band if self.amplitude_band is not None else (0.0 if code else None),
-                "decay": self.amplitude_decay if self.amplitude_decay is not None else (0.0 if code else DEFAULT_DECAY),
-                "init": self.amplitude_init or ("first_batch" if code else "zero")}
+        variant's own (:data:`fednorm.methods.amplitude.VARIANTS`) with the method's amplitude_band /
+        amplitude_decay / amplitude_init in their place where set."""
+        if self.amplitude_norm is None:
+            raise ValueError(f"method {self.name!r} has amplitude normalization off: it has no amplitude settings")
+        own = {"band_ratio": self.amplitude_band, "decay": self.amplitude_decay, "init": self.amplitude_init}
+        return {**AMPLITUDE_VARIANTS[self.amplitude_norm], **{k: v for k, v in own.items() if v is not None}}
 
     @property
     def communicates(self) -> bool:

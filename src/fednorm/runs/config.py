@@ -21,6 +21,7 @@ from ..data.federation import check_domain, check_medical_options, domain_task, 
 from ..data.partition import LABEL_SKEW_SCHEMES
 from ..engines.device import DEVICE_PATTERN, resolve_device
 from ..methods.aggregation import WEIGHTINGS
+from ..methods.amplitude import VARIANTS as AMPLITUDE_VARIANTS
 from ..methods.augment import AUGMENTS, FLAMBY_CROP, FLAMBY_MIN_SIDE, MASK_AUGMENTS
 from ..methods.local_update import LocalTraining, native_bf16, resolve_channels_last, resolve_precision
 from ..methods.policy import POLICIES, keeps_bn_state, keeps_bn_statistics
@@ -254,7 +255,7 @@ SERVER_OPTION_RULES = {"lr": SERVER_OPTIMIZERS, "momentum": SERVER_OPTIMIZERS, "
 
 # where a client's running amplitude starts when a method does not say: the paper's zero with its full-spectrum
 # AmpNorm, the first batch with the official code's variant (whose momentum 0 would keep a zero start at zero)
-AMPLITUDE_INIT_DEFAULTS = {"full": "zero", "code": "first_batch"}
+AMPLITUDE_INIT_DEFAULTS = {variant: settings["init"] for variant, settings in AMPLITUDE_VARIANTS.items()}
 # the start fednorm used for both variants before 2026-11-30, when config.yaml did not record it
 LEGACY_AMPLITUDE_INIT = "first_batch"
 
