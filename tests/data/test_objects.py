@@ -530,5 +530,7 @@ def test_fedwon_table12_preset_runs_webcam_as_an_unseen_client_under_the_papers_
         assert columns[f"{webcam}:global"]["external"]
     scored = {r.label: [c["name"] for c in r.summary["clients"] if c["name"].startswith(webcam) and "test" in c]
               for r in results}
-    # FedAvg w/o BN has no BN: only the global model is scored (its fedbn_average column stays empty); FedBN gets both
-    assert scored == {"fedavg_nobn": [f"{webcam}:global"], "fedbn": [f"{webcam}:global", f"{webcam}:fedbn_average"]}
+    # FedAvg w/o BN has no BN: only the global model is scored (its BN-average columns stay empty); FedBN gets the
+    # three readings
+    assert scored == {"fedavg_nobn": [f"{webcam}:global"],
+                      "fedbn": [f"{webcam}:global", f"{webcam}:fedbn_average", f"{webcam}:bn_average"]}

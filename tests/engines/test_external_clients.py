@@ -53,6 +53,43 @@ def test_fedbn_average_of_a_method_with_shared_affine_uses_the_global_affine(tin
     assert _engine(tiny_clients, "fedbn", [outsider]).bn_affine_is_local
 
 
+def test_bn_average_averages_what_each_client_holds_in_its_bn_layers(tiny_clients):
+    """bn_average (FedWon Table 12's other reading) averages each client's BN weight, bias and running statistics
+    as its model holds them: FedBN's all local, SiloBN's statistics local with the shared affine, FedAvg's the
+    global model's (so bn_average is the global model). The prediction is the averaged model's, statistics and
+    all: nothing is estimated on the external data."""
+    outsider = ClientData("ext", "dx", make_split(10, seed=9, shift=120.0), make_split(24, seed=19, shift=120.0))
+    for method in ("fedbn", "silobn", "fedavg"):
+        torch.manual_seed(2)
+        eng = InProcessEngine(DigitCNN(width=0.125), tiny_clients, resolve_method(method),
+                              LocalTraining(batch_size=8, lr=0.05), Federation(seed=0, channels_last=False),
+                              normalize_batch, external_clients=[outsider], external_modes=("global", "bn_average"))
+        eng.run_round()
+        evals = {e.client: e for e in eng.evaluate(("test",))}
+        bn_keys = [f"{name}.{entry}" for name, layer in eng.model.named_modules()
+                   if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm)
+                   for entry in ("weight", "bias", "running_mean", "running_var")]
+        stats_keys = [k for k in bn_keys if k.endswith(("running_mean", "running_var"))]
+        assert len(bn_keys) >= 8  # conv and FC BN layers of the digit CNN
+        # each key's mean over the clients' models: local entries from their local states, the rest global
+        model_of = [{**eng.global_state, **eng.local_states[c.name]} for c in tiny_clients] if method != "fedavg" \
+            else [eng.global_state]
+        averaged = {k: torch.stack([m[k] for m in model_of]).mean(0) for k in bn_keys}
+        model = eng.model
+        model.load_state_dict({**eng.global_state, **averaged})
+        expected = evaluate_external(model, outsider.test, eng.prepare, "global")
+        got = evals["ext:bn_average"]
+        assert got.accuracy == expected.accuracy and abs(got.loss - expected.loss) < 1e-5, method
+        if method == "fedbn":  # the clients' statistics differ: their average is not the global model's
+            assert any(not torch.allclose(averaged[k], eng.global_state[k]) for k in stats_keys)
+        if method == "fedavg":
+            assert got.accuracy == evals["ext:global"].accuracy and got.loss == evals["ext:global"].loss
+    assert eng.local_bn_keys(statistics=True) == []
+    silobn = _engine(tiny_clients, "silobn", [outsider])
+    assert silobn.local_bn_keys(statistics=False) == [] and silobn.local_bn_keys(statistics=True)
+    assert all(k.endswith(("running_mean", "running_var")) for k in silobn.local_bn_keys(statistics=True))
+
+
 def test_singleset_has_no_global_model_to_evaluate_external_clients_with(tiny_clients):
     """SingleSet never trains a global model (FedBN: no model to hand to a new client): no external rows, rather
     than scores of the untrained initial weights."""

@@ -1,4 +1,5 @@
-"""External-client evaluation: test-time BN statistics (UniFed) and averaged BN affine (FedBN App. G)."""
+"""External-client evaluation: test-time BN statistics (UniFed), averaged BN affine (FedBN App. G) and averaged BN
+layers with their statistics (FedWon Table 12's other reading)."""
 
 import copy
 
@@ -10,7 +11,8 @@ from torch import nn
 from fednorm.data.domain import Split
 from fednorm.methods.external import (
     ABLATION_MOMENTA, ABLATION_TEST_BATCH_SIZES, DEFAULT_MOMENTUM, DEFAULT_TEST_BATCH_SIZE, FEDBN_APPENDIX_G,
-    ExternalBN, average_bn_affine, batch_order, evaluate_external, evaluate_fedbn_average, evaluate_test_time_bn, reestimate_bn_statistics,
+    ExternalBN, average_bn_layers, batch_order, evaluate_bn_average, evaluate_external, evaluate_fedbn_average,
+    evaluate_test_time_bn, reestimate_bn_statistics,
 )
 
 
@@ -198,11 +200,11 @@ def test_later_layers_see_inputs_normalized_with_the_updated_statistics():
 def test_fedbn_average_puts_the_mean_of_the_clients_affine_parameters():
     model, split = bn_model(), data(10)
     states = [{"0.weight": torch.rand(2), "0.bias": torch.randn(2), "0.running_mean": torch.randn(2)} for _ in range(3)]
-    avg = average_bn_affine(model, states)
+    avg = average_bn_layers(model, states)
     assert set(avg) == {"0.weight", "0.bias"}
     torch.testing.assert_close(avg["0.weight"], sum(s["0.weight"] for s in states) / 3)
     torch.testing.assert_close(avg["0.bias"], torch.stack([s["0.bias"] for s in states]).mean(0))
-    weighted = average_bn_affine(model, states, weights=[1, 0, 3])
+    weighted = average_bn_layers(model, states, weights=[1, 0, 3])
     torch.testing.assert_close(weighted["0.bias"], (states[0]["0.bias"] + 3 * states[2]["0.bias"]) / 4)
     # statistics from the external data (population, then prediction): as test_time_bn on the averaged model
     manual = copy.deepcopy(model)
@@ -214,6 +216,35 @@ def test_fedbn_average_puts_the_mean_of_the_clients_affine_parameters():
     with torch.no_grad():
         pairs = [(head(manual, prepare(split.x[i]), m, v), split.y[i]) for i in batch_order(10, 32)]
     assert expected.loss == pytest.approx(metrics(pairs)[1], rel=1e-5)
+
+
+def test_bn_average_puts_the_mean_of_the_clients_affine_and_running_statistics_and_estimates_nothing():
+    """FedWon Table 12's other reading of FedBN's unseen-domain model: weight, bias, running mean and running
+    variance each the plain mean over the clients (variances as they are, no between-client term), then the model
+    predicts with those statistics whatever the external data: a hand-written BN with the averages."""
+    model, split = bn_model(), data(10)
+    g = torch.Generator().manual_seed(4)
+    states = [{"0.weight": torch.rand(2, generator=g) + 0.5, "0.bias": torch.randn(2, generator=g),
+               "0.running_mean": torch.randn(2, generator=g), "0.running_var": torch.rand(2, generator=g) + 0.5}
+              for _ in range(3)]
+    avg = average_bn_layers(model, states, statistics=True)
+    assert set(avg) == {"0.weight", "0.bias", "0.running_mean", "0.running_var"}
+    for key in avg:
+        torch.testing.assert_close(avg[key], torch.stack([s[key] for s in states]).mean(0))
+    # the variance average is not the pooled variance of the union (which adds the spread of the client means)
+    pooled = avg["0.running_var"] + torch.stack([(s["0.running_mean"] - avg["0.running_mean"]) ** 2
+                                                 for s in states]).mean(0)
+    assert not torch.allclose(avg["0.running_var"], pooled)
+    manual = copy.deepcopy(model)
+    manual.load_state_dict(avg, strict=False)
+    with torch.no_grad():
+        logits = head(manual, prepare(split.x), avg["0.running_mean"], avg["0.running_var"])
+    acc, loss = metrics([(logits, split.y)])
+    result = evaluate_external(model, split, prepare, "bn_average", client_states=states)
+    assert result == evaluate_bn_average(model, split, prepare, states)
+    assert (result.accuracy, result.num_examples) == (acc, 10)
+    assert result.loss == pytest.approx(loss, rel=1e-5)
+    assert torch.equal(model[0].running_mean, bn_model()[0].running_mean)  # the model itself is untouched
 
 
 def test_global_mode_is_the_model_as_it_is():
@@ -243,8 +274,15 @@ def test_errors_are_clear():
         evaluate_external(bn_model(), split, prepare, "tent")
     with pytest.raises(ValueError, match="client_states"):
         evaluate_external(bn_model(), split, prepare, "fedbn_average")
-    with pytest.raises(ValueError, match="lack the BN parameter"):
-        average_bn_affine(bn_model(), [{"0.weight": torch.ones(2)}])
+    with pytest.raises(ValueError, match="lack the BN entry '0.bias'"):
+        average_bn_layers(bn_model(), [{"0.weight": torch.ones(2)}])
+    with pytest.raises(ValueError, match="lack the BN entry '0.running_mean': bn_average needs"):
+        evaluate_external(bn_model(), split, prepare, "bn_average",
+                          client_states=[{"0.weight": torch.ones(2), "0.bias": torch.ones(2)}])
+    with pytest.raises(ValueError, match="bn_average.*no BatchNorm"):
+        evaluate_external(nn.Sequential(nn.Flatten(), nn.Linear(8, 3)), split, prepare, "bn_average", client_states=[{}])
+    with pytest.raises(ValueError, match="'bn_average' needs client_states"):
+        evaluate_external(bn_model(), split, prepare, "bn_average")
     with pytest.raises(ValueError, match="reset"):
         ExternalBN(momentum=None, reset=False)
     with pytest.raises(ValueError, match="convention"):

@@ -27,7 +27,7 @@ from ..methods.local_update import (LocalResult, LocalTraining, batch_schedule, 
                                    train_locally)
 from ..methods.policy import keeps_bn_state, local_state_keys
 from ..methods.presets import Method
-from ..methods.external import EXTERNAL_MODES, ExternalBN, bn_affine_keys, evaluate_external, fold_bn_statistics_
+from ..methods.external import EXTERNAL_MODES, ExternalBN, bn_state_keys, evaluate_external, fold_bn_statistics_
 from .allocator import reuse_freed_memory
 from .device import to_device
 from .client_step import ClientMemory, ClientRunner, RoundInstructions, update_input_state
@@ -161,9 +161,9 @@ class InProcessEngine:
                                    federation.persistent_optimizer, self.algorithm, place=self._place,
                                    seed=federation.seed)
         self.input_state: dict[str, torch.Tensor] = {}  # HarmoFL's global amplitude once averaged
-        # fedbn_average's BN affine parameters given from outside (a Flower node gets the server's average);
-        # None: the internal clients' local states here
-        self.external_affine: list[dict[str, torch.Tensor]] | None = None
+        # the internal clients' averaged BN layers for fedbn_average and bn_average given from outside (a Flower node
+        # gets the server's average); None: averaged here from the internal clients' local states
+        self.external_bn_average: dict[str, torch.Tensor] | None = None
         self.algorithm_server_state = self.algorithm.init_server_state(self.model, self.shared_params)
         self.algorithm_states: dict[str, dict[str, torch.Tensor]] = {}
         self.local_states: dict[str, dict[str, torch.Tensor]] = {}
@@ -438,9 +438,9 @@ class InProcessEngine:
         for client in self.external_clients:
             for mode in self.external_modes:
                 if mode != "global" and not has_bn:
-                    continue  # test-time BN statistics need BatchNorm layers
+                    continue  # the modes other than global set BN statistics: they need BatchNorm layers
                 # the configured test-time BN (UniFed) for test_time_bn; FedBN App. G's own protocol (population
-                # statistics over one pass, then prediction) for fedbn_average
+                # statistics over one pass, then prediction) for fedbn_average; none for bn_average and global
                 bn = self.external_bn if mode == "test_time_bn" else None
                 result = self.evaluate_external_client(client, mode, bn, prepare)
                 if result is not None:
@@ -451,7 +451,21 @@ class InProcessEngine:
     @property
     def bn_affine_is_local(self) -> bool:
         """Whether the clients keep their own BN weight and bias (FedBN), so fedbn_average must average them."""
-        return any(k in self.local_keys for k in bn_affine_keys(self.model))
+        return bool(self.local_bn_keys(statistics=False))
+
+    def local_bn_keys(self, statistics: bool) -> list[str]:
+        """The BN entries fedbn_average (``statistics`` False: weight and bias) or bn_average (True: and the running
+        statistics) averages that the clients keep locally: none under FedAvg, the statistics under SiloBN, all
+        under FedBN. Only these need the clients' own states; the rest is the global model's."""
+        return [k for k in bn_state_keys(self.model, statistics) if k in self.local_keys]
+
+    def client_bn_states(self, local_states: dict[str, dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """Each internal client's BN layers as its model holds them, for fedbn_average and bn_average: the global
+        state overlaid with the client's local state, for every client in ``local_states`` (in client order); the
+        global state alone when no client has one (FedAvg and FixBN, or before any client trained), the average
+        of the clients' layers then."""
+        local = [local_states[c.name] for c in self.clients if c.name in local_states]
+        return [{**self.global_state, **state} for state in local] or [self.global_state]
 
     def evaluate_external_client(self, client: ClientData, mode: str, bn: ExternalBN | None = None, prepare=None):
         """One external client's test split under one mode (:func:`fednorm.methods.external.evaluate_external`),
@@ -459,11 +473,10 @@ class InProcessEngine:
         labelled test samples, which are then left out); ``None`` if no test sample is left. Leaves the model
         holding the evaluated state; the global state is untouched."""
         prepare = prepare or self.runner.evaluation_prepare(self.input_state)
-        # the internal clients' BN affine parameters for fedbn_average: their local states where the affine is
-        # local (FedBN), else the global model's, already the average (FedAvg; SiloBN, whose local states hold
-        # only the statistics)
-        local = [self.local_states[c.name] for c in self.clients if c.name in self.local_states]
-        states = self.external_affine or (local if self.bn_affine_is_local else []) or [self.global_state]
+        # the internal clients' BN layers for fedbn_average and bn_average: the average the server sent (Flower), or
+        # each client's own (the global state overlaid with its local state)
+        states = ([self.external_bn_average] if self.external_bn_average is not None
+                  else self.client_bn_states(self.local_states))
         self.model.load_state_dict(self.global_state)
         self.algorithm.adapt_for_evaluation(self.model, client, prepare, self.training.lr, "test",
                                              task=self.training.task)

@@ -1,13 +1,13 @@
 """Evaluation of EXTERNAL clients: clients that never trained, seen only at test time (UniFed, FedBN App. G).
 
-Three modes, each a pure function of a trained model and the external client's test data (the model is
+Four modes, each a pure function of a trained model and the external client's test data (the model is
 copied, never changed):
 
 - ``global``: the model as it is (UniFed Table III's "original" rows). For a model trained with
   client-specific BN (FedBN), its BN layers are the never-updated initial ones (UniFed: "the BN layers in the
   global model are not updated"). Under SiloBN (policy ``local_bn_stats``) likewise the global running
   statistics are the initial (0, 1): the affine is trained and shared, the statistics never leave the clients,
-  so only ``test_time_bn`` and ``fedbn_average`` give such a model statistics of its own.
+  so only ``test_time_bn``, ``fedbn_average`` and ``bn_average`` give such a model statistics of its own.
 - ``test_time_bn``: UniFed's test-time BN statistics (Sec. 3.4, Eqs. 3-4, formulas lost in our text and
   reconstructed): the external client's unlabelled test batches pass one by one in a stated order; at every BN
   layer each batch's channel mean and variance are folded into tracked statistics with a momentum, and the
@@ -15,6 +15,12 @@ copied, never changed):
   global model).
 - ``fedbn_average``: FedBN App. G: the average of the internal clients' BN affine parameters (weight, bias)
   put into the model, with statistics computed on the external client's own data.
+- ``bn_average``: the other reading of FedWon Table 12's FedBN row ("a global model with averaged BN layer
+  parameters from the seen domains"; whether the running statistics were averaged too is not stated): the
+  internal clients' BN weight, bias, running mean and running variance all averaged into the model, nothing
+  estimated on the external client (zero-shot, as the global model). The variances are averaged as they are,
+  as FedAvg averages buffers, not pooled with FBN's between-client term (which would be the union's variance).
+  Under a method whose BN state is shared (FedAvg, FixBN) this is the global model itself.
 
 Conventions, named because the paper's symbols were lost:
 
@@ -55,7 +61,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..data.domain import Split
 from .tasks import CLASSIFICATION, Scorer, Task
 
-EXTERNAL_MODES = ("global", "test_time_bn", "fedbn_average")
+EXTERNAL_MODES = ("global", "test_time_bn", "fedbn_average", "bn_average")
 MOMENTUM_CONVENTIONS = ("history", "pytorch")
 PREDICTIONS = ("online", "after_pass")
 
@@ -136,12 +142,12 @@ def bn_layers(model: nn.Module) -> dict[str, _BatchNorm]:
 def _require_bn(model: nn.Module, mode: str) -> dict[str, _BatchNorm]:
     layers = bn_layers(model)
     if not layers:
-        raise ValueError(f"external evaluation {mode!r} re-estimates BatchNorm statistics, but the model has no "
+        raise ValueError(f"external evaluation {mode!r} sets BatchNorm statistics, but the model has no "
                          "BatchNorm layer; use mode 'global'")
     missing = [name for name, m in layers.items() if m.running_mean is None or m.running_var is None]
     if missing:
         raise ValueError(f"BatchNorm layers {missing} keep no running statistics (track_running_stats=False); "
-                         f"{mode!r} needs them to hold the re-estimated statistics")
+                         f"{mode!r} needs them to hold the statistics it sets")
     return layers
 
 
@@ -259,22 +265,29 @@ def evaluate_test_time_bn(model: nn.Module, data: Split, prepare: Callable[[Tens
     return _result(scorer)
 
 
-def bn_affine_keys(model: nn.Module) -> list[str]:
-    """The state_dict keys of every BN layer's ``weight`` and ``bias`` (what fedbn_average averages)."""
+BN_STATISTICS = ("running_mean", "running_var")
+
+
+def bn_state_keys(model: nn.Module, statistics: bool = False) -> list[str]:
+    """The state_dict keys of every BN layer's ``weight`` and ``bias`` (what fedbn_average averages), and with
+    ``statistics`` its ``running_mean`` and ``running_var`` too (what bn_average averages)."""
+    names = ("weight", "bias", *(BN_STATISTICS if statistics else ()))
     keys = []
     for prefix, layer in bn_layers(model).items():
         dot = f"{prefix}." if prefix else ""
-        keys += [dot + name for name in ("weight", "bias") if getattr(layer, name, None) is not None]
+        keys += [dot + name for name in names if getattr(layer, name, None) is not None]
     return keys
 
 
-def average_bn_affine(model: nn.Module, client_states: list[dict[str, Tensor]],
-                      weights: list[float] | None = None) -> dict[str, Tensor]:
+def average_bn_layers(model: nn.Module, client_states: list[dict[str, Tensor]], weights: list[float] | None = None,
+                      statistics: bool = False) -> dict[str, Tensor]:
     """The mean of the internal clients' BN ``weight`` and ``bias`` (FedBN App. G: "the averaged trainable BN
-    parameters"), by ``model``'s state_dict keys. Uniform mean unless ``weights`` (normalized here) are given.
-    ``client_states`` are the clients' state dicts, or their local states under policy local_bn."""
+    parameters"), and with ``statistics`` of their running mean and variance too (bn_average), by ``model``'s
+    state_dict keys. Uniform mean unless ``weights`` (normalized here) are given. ``client_states`` are state
+    dicts holding each client's BN layers: its model's, or the global state overlaid with its local state."""
+    mode = "bn_average" if statistics else "fedbn_average"
     if not client_states:
-        raise ValueError("fedbn_average needs the BN parameters of at least one internal client")
+        raise ValueError(f"{mode} needs the BN layers of at least one internal client")
     if weights is None:
         w = [1.0 / len(client_states)] * len(client_states)
     else:
@@ -282,16 +295,16 @@ def average_bn_affine(model: nn.Module, client_states: list[dict[str, Tensor]],
             raise ValueError(f"weights must be {len(client_states)} non-negative numbers with a positive sum, "
                              f"got {weights}")
         w = [x / sum(weights) for x in weights]
-    keys = bn_affine_keys(model)
-    if not keys:
+    keys = bn_state_keys(model, statistics)
+    if not statistics and not keys:
         raise ValueError("fedbn_average averages BN affine parameters, but the model's BN layers have none "
                          "(affine=False)")
     out = {}
     for key in keys:
         missing = [i for i, s in enumerate(client_states) if key not in s]
         if missing:
-            raise ValueError(f"client state(s) {missing} lack the BN parameter {key!r}: fedbn_average needs each "
-                             "internal client's BN weight and bias (its local state under policy local_bn)")
+            raise ValueError(f"client state(s) {missing} lack the BN entry {key!r}: {mode} needs each internal "
+                             "client's BN layers (the global state overlaid with its local state)")
         out[key] = sum(wi * s[key].detach().double() for wi, s in zip(w, client_states)).to(client_states[0][key].dtype)
     return out
 
@@ -303,8 +316,19 @@ def evaluate_fedbn_average(model: nn.Module, data: Split, prepare: Callable[[Ten
     """Mode ``fedbn_average``: the internal clients' averaged BN affine parameters, statistics from the
     external client's data (population statistics over one pass, then prediction, by default)."""
     net = copy.deepcopy(model)
-    net.load_state_dict(average_bn_affine(net, client_states, weights), strict=False)
+    net.load_state_dict(average_bn_layers(net, client_states, weights), strict=False)
     return evaluate_test_time_bn(net, data, prepare, bn, task)
+
+
+@torch.no_grad()
+def evaluate_bn_average(model: nn.Module, data: Split, prepare: Callable[[Tensor], Tensor],
+                        client_states: list[dict[str, Tensor]], weights: list[float] | None = None,
+                        batch_size: int = 500, task: Task = CLASSIFICATION) -> ExternalResult:
+    """Mode ``bn_average``: the internal clients' averaged BN layers (affine and running statistics), then the
+    model as it is: nothing is estimated on the external client."""
+    net = copy.deepcopy(model)
+    net.load_state_dict(average_bn_layers(net, client_states, weights, statistics=True), strict=False)
+    return evaluate_global(net, data, prepare, batch_size, task)
 
 
 def evaluate_external(model: nn.Module, data: Split, prepare: Callable[[Tensor], Tensor],
@@ -313,7 +337,8 @@ def evaluate_external(model: nn.Module, data: Split, prepare: Callable[[Tensor],
                       eval_batch_size: int = 500, task: Task = CLASSIFICATION) -> ExternalResult:
     """One external client's score and loss under ``mode`` (one of EXTERNAL_MODES), by ``task`` (accuracy and
     cross-entropy by default). ``bn`` defaults to UniFed's settings for test_time_bn and to FEDBN_APPENDIX_G for
-    fedbn_average; ``client_states`` (the internal clients' BN parameters) is needed by fedbn_average only."""
+    fedbn_average; ``client_states`` (state dicts with the internal clients' BN layers) is needed by fedbn_average
+    and bn_average only."""
     if mode == "global":
         return evaluate_global(model, data, prepare, eval_batch_size, task)
     if mode == "test_time_bn":
@@ -322,4 +347,9 @@ def evaluate_external(model: nn.Module, data: Split, prepare: Callable[[Tensor],
         if client_states is None:
             raise ValueError("mode 'fedbn_average' needs client_states: the internal clients' BN weight and bias")
         return evaluate_fedbn_average(model, data, prepare, client_states, weights, bn or FEDBN_APPENDIX_G, task)
+    if mode == "bn_average":
+        if client_states is None:
+            raise ValueError("mode 'bn_average' needs client_states: the internal clients' BN layers")
+        _require_bn(model, mode)
+        return evaluate_bn_average(model, data, prepare, client_states, weights, eval_batch_size, task)
     raise ValueError(f"unknown external evaluation mode {mode!r}; choose one of {', '.join(EXTERNAL_MODES)}")

@@ -559,8 +559,12 @@ class ExternalConfig(_Strict):
 
     domains: list[str] = Field(default_factory=list, description="domains of the external clients (their test "
                                "splits; e.g. the held-out domain of a leave-one-domain-out run)")
-    modes: list[Literal["global", "test_time_bn", "fedbn_average"]] = Field(
-        default_factory=lambda: ["global", "test_time_bn", "fedbn_average"], min_length=1)
+    modes: list[Literal["global", "test_time_bn", "fedbn_average", "bn_average"]] = Field(
+        default_factory=lambda: ["global", "test_time_bn", "fedbn_average"], min_length=1,
+        description="global: the global model; test_time_bn: UniFed's test-time BN statistics; fedbn_average: the "
+        "clients' averaged BN weight and bias, statistics from the external data (FedBN App. G); bn_average: the "
+        "clients' averaged BN weight, bias and running statistics, nothing from the external data (FedWon Table "
+        "12's other reading)")
     data: Literal["test", "all"] = Field(
         "test", description="what an external client is scored on: its domain's test split under the federation's "
         "protocol, or every image of its domain (UniFed Sec. 4.1: external data 'are all held out for testing')")
@@ -691,9 +695,9 @@ class ExperimentConfig(_Strict):
                              "domains; an external client is scored by the federation's own model")
         needs_stats = [m for m in self.external.modes if m != "global"]
         if needs_stats and self.model.bn_mode == "batch":
-            raise ValueError(f"external.modes {needs_stats} re-estimate BatchNorm running statistics on the external "
-                             "client, but model.bn_mode: batch keeps none (batch statistics at evaluation too); "
-                             "use external.modes: [global], or model.bn_mode: running")
+            raise ValueError(f"external.modes {needs_stats} set BatchNorm running statistics for the external client "
+                             "(re-estimated on its data, or averaged), but model.bn_mode: batch keeps none (batch "
+                             "statistics at evaluation too); use external.modes: [global], or model.bn_mode: running")
 
     def _check_evaluation_bn(self) -> None:
         """federation.evaluation_bn: recomputed needs a method whose BN statistics are per client."""

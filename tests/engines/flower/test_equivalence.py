@@ -36,9 +36,10 @@ def metrics(run, config):
     ["methods=[fedbn, fedavg]", "diagnostics.drift=true"],  # HarmoFL's client drift travels in the reply
     ["methods=[scaffold, silobn, fednova]", "federation.persistent_optimizer=true", "training.momentum=0.9"],
     # an external client under every mode, fedbn_average from the nodes' BN affine parameters under FedBN, from
-    # the global affine under SiloBN (its nodes keep only BN statistics)
+    # the global affine under SiloBN (its nodes keep only BN statistics); bn_average from the nodes' BN affine and
+    # statistics under FedBN, their statistics with the global affine under SiloBN, the global model under FedAvg
     ["methods=[fedbn, fedavg, silobn]", "external.domains=[rendered/street]", "federation.eval_every=1",
-     "federation.rounds=2"],
+     "federation.rounds=2", "external.modes=[global, test_time_bn, fedbn_average, bn_average]"],
     ["methods=[harmofl, fixbn]", "federation.rounds=2", "federation.eval_every=1", "data.val_fraction=0.2"],
     # SingleSet, and UniFed's add-on on the stateful client algorithms (MOON's previous model, FedDC's drift),
     # each evaluated with its BN statistics recomputed on the node's training data
@@ -61,6 +62,29 @@ def test_flower_metrics_equal_the_in_process_engine(tmp_path, extra):
     in_process_and_flower(tmp_path, config, nodes)
     assert metrics(tmp_path / "flower", config) == metrics(tmp_path / "in_process", config)
     assert partitions(tmp_path / "flower") == partitions(tmp_path / "in_process")  # the nodes' data, not placeholders
+
+
+def test_bn_statistics_leave_a_node_only_when_bn_average_is_asked(tmp_path):
+    """Under FedBN, external clients' fedbn_average needs the clients' BN weight and bias from their nodes, and
+    bn_average their running statistics too: a node sends the statistics only when bn_average is among the
+    modes, never anything else it keeps locally."""
+    from fednorm.engines.flower import messages as m
+
+    sent = {}
+    for modes in ("[global, fedbn_average]", "[global, bn_average]"):
+        config = tiny_config("external.domains=[rendered/street]", f"external.modes={modes}", "federation.rounds=1",
+                             "federation.eval_every=1")
+        grid = FakeGrid(make_client_app(), [{"client-index": i} for i in range(3)])  # the external client's too
+        run_experiment(grid, ServerSettings(experiment_text(config), str(tmp_path / modes[9:-1]),
+                                            FlowerOptions(node_wait=5)))
+        replies = [r.content.array_records[m.BN_LAYERS] for r in grid.received if m.BN_LAYERS in r.content.array_records]
+        assert len(replies) == 2  # one per internal client, after its one round
+        sent[modes] = {key.rsplit(".", 1)[-1] for reply in replies for key in reply.keys()}
+        run = tmp_path / modes[9:-1] / "fedbn" / "seed0" / store.METRICS_FILE
+        scored = {r["client"] for r in store.read_metrics(run) if r["split"] == "test"}
+        assert f"rendered/street:{modes[9:-1]}" in scored
+    assert sent == {"[global, fedbn_average]": {"weight", "bias"},
+                    "[global, bn_average]": {"weight", "bias", "running_mean", "running_var"}}
 
 
 def test_a_node_that_keeps_its_label_counts_to_itself_reports_sizes_and_sha256_only(tmp_path):

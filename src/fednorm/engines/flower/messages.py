@@ -9,10 +9,15 @@ label, the seed, the client it is for), so a node needs nothing but its own data
 | train            | cell, ``instructions``, ``global`` (shared       | ``state`` (shared entries), ``message`` (client |
 |                  | entries only), ``server_state``, ``input_state`` | algorithm; HarmoFL's first amplitude),          |
 |                  | (HarmoFL's global amplitude)                     | ``metrics``, ``bn_counts``                      |
-| evaluate         | cell, ``global``, ``input_state``                | one ConfigRecord per split (``eval.test``, ...) |
+| query (BN)       | cell (with the external modes)                   | ``bn_layers``: the client's local BN weight and |
+|                  |                                                  | bias (and statistics, for ``bn_average``)       |
+| evaluate         | cell, ``global``, ``input_state`` (an external   | one ConfigRecord per split (``eval.test``, ...) |
+|                  | client: ``bn_layers``, the clients' average)     |                                                 |
 
 Local entries (FedBN's BN state, SiloBN's statistics), optimizer state and client algorithm state are
-never in a message: they stay on the node (``node_state``: its state-dir, else its ``Context.state``).
+never in a message, except the BN entries the query (BN) asks for when external clients are scored under
+``fedbn_average`` or ``bn_average``: they stay on the node (``node_state``: its state-dir, else its
+``Context.state``).
 
 Decoding is strict: anything missing or of the wrong type raises :class:`UpdateError` naming the
 record and the client, which the server logs before leaving the reply out of the round.
@@ -43,7 +48,7 @@ ALGORITHM_MESSAGE = "message"
 METRICS = "metrics"
 BN_COUNTS = "bn_counts"
 ROSTER = "roster"
-BN_AFFINE = "bn_affine"  # a client's BN weight and bias (FedBN App. G's average for external clients)
+BN_LAYERS = "bn_layers"  # a client's local BN entries, or their average (external clients' fedbn_average, bn_average)
 EVAL_PREFIX = "eval."
 NO_CLIENT_STATE = -1  # CellRequest.state_round: the client has saved no state in the run's history
 UNKNOWN_CLIENT_STATE = -2  # CellRequest.state_round: the server does not say (the node's newest snapshot)

@@ -344,21 +344,21 @@ class NodeClients:
                                           f"the client: rounds {held})" if held else f"it has none in {where}"))
 
     def query(self, message: Message, context: Context) -> Message:
-        """A query message: the roster (no method named), or a client's BN affine parameters."""
+        """A query message: the roster (no method named), or a client's BN layers."""
         cell = m.CellRequest.decode(message.content)
-        return self.bn_affine(message, context) if cell.method else self.roster(message, context)
+        return self.bn_layers(message, context) if cell.method else self.roster(message, context)
 
-    def bn_affine(self, message: Message, context: Context) -> Message:
-        """The client's BN weight and bias as of the message's round (empty before it has trained): the server
-        averages them for the external clients' fedbn_average mode (FedBN App. G). Its BN statistics, and
-        everything else it keeps, stay on the node."""
-        from ...methods.external import bn_affine_keys
-
+    def bn_layers(self, message: Message, context: Context) -> Message:
+        """The BN entries the client keeps locally, as of the message's round (empty before it has trained): its
+        BN weight and bias, and its running statistics too when the cell's external modes include bn_average.
+        The server averages them for the external clients' fedbn_average (FedBN App. G) and bn_average modes.
+        Everything else the client keeps stays on the node (its statistics too, unless bn_average is asked)."""
         cell = m.CellRequest.decode(message.content)
         engine, _, client, spec = self._client(context, cell)
         memory, _ = self._load_memory(context, spec, cell, client.name, cell.round)
-        affine = {k: memory.local_state[k] for k in bn_affine_keys(engine.model) if k in memory.local_state}
-        return Message(RecordDict({m.CELL: cell.record(), m.BN_AFFINE: m.to_arrays(affine)}), reply_to=message)
+        keys = engine.local_bn_keys(statistics="bn_average" in cell.external_modes)
+        layers = {k: memory.local_state[k] for k in keys if k in memory.local_state}
+        return Message(RecordDict({m.CELL: cell.record(), m.BN_LAYERS: m.to_arrays(layers)}), reply_to=message)
 
     def roster(self, message: Message, context: Context) -> Message:
         """Answer the server's roster query: the node's clients, split sizes, sample shapes and partition records
@@ -409,11 +409,11 @@ class NodeClients:
         engine.global_state = to_device({**initial, **shared}, engine.device)  # arrays arrive on the host
         engine.input_state = m.from_arrays(message.content, m.INPUT_STATE)
         engine.round = max(cell.round, 0)  # rounds completed, as the in-process engine's (augment_validation's draws)
-        engine.local_states, engine.external_clients, engine.external_affine = {}, [], None
+        engine.local_states, engine.external_clients, engine.external_bn_average = {}, [], None
         if cell.external_modes:
             engine.external_clients, engine.external_modes = [client], cell.external_modes
-            if m.BN_AFFINE in message.content.array_records:  # the server's average of the clients' BN affine
-                engine.external_affine = [m.from_arrays(message.content, m.BN_AFFINE)]
+            if m.BN_LAYERS in message.content.array_records:  # the server's average of the clients' BN layers
+                engine.external_bn_average = {**engine.global_state, **m.from_arrays(message.content, m.BN_LAYERS)}
             evals = engine.evaluate_external()
         else:
             if cell.record_as == client.name:

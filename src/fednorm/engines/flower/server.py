@@ -554,16 +554,19 @@ class FlowerEngine:
                     record_of[key] = target.name
                     val_parts[target.name].append(key)
         modes = self.core.external_modes if "test" in splits and self.core.external_clients else ()
+        averaged = [x for x in modes if x in ("fedbn_average", "bn_average")]
         average = None
-        if "fedbn_average" in modes and self.core.bn_affine_is_local:  # else the nodes use the global affine
-            average = self._average_bn_affine()
+        # the clients' BN layers where they keep them locally (FedBN; SiloBN's statistics for bn_average); else the
+        # nodes average the global model's, which the clients share
+        if averaged and self.core.local_bn_keys(statistics="bn_average" in averaged):
+            average = self._average_bn_layers(modes)
             if average is None:
-                modes = tuple(x for x in modes if x != "fedbn_average")
+                modes = tuple(x for x in modes if x not in averaged)
         for client in self.core.external_clients if modes else []:
             cell = replace(self._cell(client.name), external_modes=modes)
             content = RecordDict({m.CELL: cell.record(), m.GLOBAL: shared, m.INPUT_STATE: input_state})
             if average is not None:
-                content[m.BN_AFFINE] = m.to_arrays(average)
+                content[m.BN_LAYERS] = m.to_arrays(average)
             plan.append((client.name, client.name, content))
             record_of[client.name] = client.name
         replies, dropped = self._send(MessageType.EVALUATE, plan, group=f"evaluate-{self.core.round}")
@@ -596,40 +599,45 @@ class FlowerEngine:
         return (splits.index(e.split) if e.split in splits else len(splits),
                 modes.index(mode) if mode in modes else -1)
 
-    def _average_bn_affine(self) -> dict[str, torch.Tensor] | None:
-        """FedBN App. G's average of the internal clients' BN weight and bias, for the external clients'
-        fedbn_average mode under a method whose BN state is local: each node sends its clients' BN affine
-        parameters (never their statistics) for this. Uniform over the clients that have trained, as the
-        in-process engine; None (the mode is skipped, logged) when no client answered with them."""
-        from ...methods.external import average_bn_affine, bn_affine_keys
+    def _average_bn_layers(self, modes: tuple[str, ...]) -> dict[str, torch.Tensor] | None:
+        """The average of the internal clients' BN layers for the external clients' fedbn_average (FedBN App. G:
+        weight and bias) and bn_average (with the running statistics) modes, under a method that keeps some of them
+        local: each node sends the BN entries its clients keep (the statistics only when bn_average is among
+        ``modes``), each overlaid on the global state as the in-process engine does. Uniform over the clients
+        that have trained; None (the modes are skipped, logged) when no client answered with them."""
+        from ...methods.external import average_bn_layers
 
         core = self.core
-        plan = [(c.name, c.name, RecordDict({m.CELL: self._cell(c.name).record()})) for c in core.clients]
-        replies, dropped = self._send(MessageType.QUERY, plan, group=f"bn-affine-{core.round}")
+        statistics = "bn_average" in modes
+        plan = [(c.name, c.name, RecordDict({m.CELL: replace(self._cell(c.name), external_modes=modes).record()}))
+                for c in core.clients]
+        replies, dropped = self._send(MessageType.QUERY, plan, group=f"bn-layers-{core.round}")
         model_state = core.model.state_dict()
-        keys = set(bn_affine_keys(core.model))
-        states = []
+        keys = set(core.local_bn_keys(statistics))
+        states = {}
         for client in core.clients:
             if client.name not in replies:
                 continue
             try:
-                state = m.from_arrays(replies[client.name].content, m.BN_AFFINE, f"client {client.name!r}")
+                state = m.from_arrays(replies[client.name].content, m.BN_LAYERS, f"client {client.name!r}")
                 bad = [k for k, v in state.items() if k not in keys or v.shape != model_state[k].shape
-                       or not torch.isfinite(v).all()]
+                       or not torch.isfinite(v).all() or (k.endswith(".running_var") and (v < 0).any())]
                 if bad or (state and set(state) != keys):
-                    raise UpdateError(f"client {client.name!r} sent invalid BN parameters {sorted(bad or state)[:3]}")
+                    raise UpdateError(f"client {client.name!r} sent invalid BN entries {sorted(bad or state)[:3]}, "
+                                      f"expected {sorted(keys)[:3]}...")
             except UpdateError as exc:
                 dropped[client.name] = str(exc)
                 continue
             if state:
-                states.append(state)
+                states[client.name] = state
+        mode_names = " and ".join(x for x in modes if x in ("fedbn_average", "bn_average"))
         for client, reason in dropped.items():
-            log(WARNING, "fednorm: fedbn_average after round %s: client %r left out: %s", core.round, client, reason)
+            log(WARNING, "fednorm: %s after round %s: client %r left out: %s", mode_names, core.round, client, reason)
         if not states:
-            log(WARNING, "fednorm: no client sent its BN parameters after round %s; external mode fedbn_average "
-                "is skipped this evaluation", core.round)
+            log(WARNING, "fednorm: no client sent its BN layers after round %s; external mode(s) %s skipped this "
+                "evaluation", core.round, mode_names)
             return None
-        return average_bn_affine(core.model, states)
+        return average_bn_layers(core.model, core.client_bn_states(states), statistics=statistics)
 
     def _record(self, record: dict) -> None:
         """One line of ``participation.jsonl`` (with the wall-clock time it was written). The first write of a
