@@ -316,7 +316,7 @@ def test_external_domain_is_reported_per_mode_and_left_out_of_the_average(tmp_pa
 
     rows = ablation_rows(tmp_path / "run")
     fedavg = [r for r in rows if r[0] == "fedavg/seed0"]
-    assert len(fedavg) == 2 + len(ABLATION_TEST_BATCH_SIZES) + len(ABLATION_MOMENTA) + len(ABLATION_ORDERS)
+    assert len(fedavg) == 3 + len(ABLATION_TEST_BATCH_SIZES) + len(ABLATION_MOMENTA) + len(ABLATION_ORDERS)
     final = {c["name"]: c["test"]["final_acc"] for c in results[0].summary["clients"]}
     assert fedavg[0][1] == "global" and abs(fedavg[0][3] - 100 * final["rendered/street:global"]) < 1e-9
     # FedBN App. G's mode, recomputed from the checkpoint, equals the run's own final column
@@ -326,6 +326,8 @@ def test_external_domain_is_reported_per_mode_and_left_out_of_the_average(tmp_pa
     # ablation's settings act: its test batch sizes and momenta do not all give one number
     by_setting = {r[1]: r[3] for r in fedavg}
     assert abs(by_setting["momentum 0.9"] - 100 * final["rendered/street:test_time_bn"]) < 1e-9
+    # FedAvg's BN layers are the clients' average already: the bn_average row is the global model's
+    assert fedavg[2][1] == "bn_average (averaged statistics)" and fedavg[2][3] == fedavg[0][3]
     assert len({round(v, 9) for k, v in by_setting.items() if k.startswith(("batch", "momentum"))}) > 1
     # external.momentum reaches the run's evaluation: momentum 0 (training is the same) gives the momentum-0 point
     [zero] = start_run(tiny_config("methods=[fedavg]", "external.domains=[rendered/street]", "external.momentum=0.0"),
@@ -955,10 +957,11 @@ def test_unifed_ablation_settings_are_unifeds_whatever_the_runs_external_convent
                      shuffle_seed=3)
     settings = ablation_settings(run)
     assert [name for name, _, _ in settings] == (
-        ["global", "fedbn_average (App. G)"] + [f"batch {b}" for b in ABLATION_TEST_BATCH_SIZES]
+        ["global", "fedbn_average (App. G)", "bn_average (averaged statistics)"]
+        + [f"batch {b}" for b in ABLATION_TEST_BATCH_SIZES]
         + [f"momentum {m}" for m in ABLATION_MOMENTA] + [f"order {k}" for k in ABLATION_ORDERS])
-    assert settings[0] == ("global", "global", run) and settings[1][2] is None
-    for name, mode, bn in settings[2:]:
+    assert settings[0] == ("global", "global", run) and settings[1][2] is None and settings[2][1:] == ("bn_average", None)
+    for name, mode, bn in settings[3:]:
         assert mode == "test_time_bn" and (bn.convention, bn.reset, bn.predict) == ("history", True, "online")
         assert bn.unbiased is False  # the run's variance estimator
         assert name.startswith("order") or bn.shuffle_seed == 3  # (a) and (b) keep the run's batch order

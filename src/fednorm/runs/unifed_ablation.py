@@ -7,8 +7,9 @@ only (momentum 0), for each test batch size of :data:`fednorm.methods.external.A
 (b) each momentum of :data:`~fednorm.methods.external.ABLATION_MOMENTA` at test batch size 32; (c) UniFed's
 default point (batch 32, momentum 0.9) under each seeded sample order of
 :data:`~fednorm.methods.external.ABLATION_ORDERS`; the global model ("aggregated BN", flat in all three) is the
-baseline row, FedBN App. G a further one. Writes ``unifed_ablation.md`` (a row per cell and setting, the orders
-summarized as mean (min-max)) and ``unifed_ablation.png`` (the three panels) into the run folder.
+baseline row, FedBN App. G and the clients' averaged BN layers (``bn_average``) further ones. Writes
+``unifed_ablation.md`` (a row per cell and setting, the orders summarized as mean (min-max)) and
+``unifed_ablation.png`` (the three panels) into the run folder.
 
 It takes minutes per cell on a small CPU, so each finished cell's rows are saved at once
 (``unifed_ablation.json``) and a re-run computes only the (cell, setting, client) rows not there yet, so
@@ -63,7 +64,8 @@ Row = tuple[str, str, str, float]  # (cell, setting, external client, accuracy %
 
 
 def ablation_settings(base: ExternalBN) -> list[tuple[str, str, ExternalBN | None]]:
-    """(row name, external mode, BN re-estimation) of every row: the global model, FedBN App. G, Fig. 6(a)'s test
+    """(row name, external mode, BN re-estimation) of every row: the global model, FedBN App. G, the clients' averaged
+    BN layers with their statistics (bn_average, FedWon Table 12's other reading), Fig. 6(a)'s test
     batch sizes, Fig. 6(b)'s momenta and Fig. 6(c)'s sample orders. The figure's settings are UniFed's, whatever
     the run's ``external`` says: statistics fresh from the first batch, updated batch by batch, each batch
     predicted with the statistics that include it, and the momentum in the history convention (tau = the weight
@@ -72,7 +74,8 @@ def ablation_settings(base: ExternalBN) -> list[tuple[str, str, ExternalBN | Non
     :data:`ABLATION_ORDERS` at UniFed's default batch size and momentum. The variance estimator is the run's."""
     unifed = replace(base, convention="history", reset=True, predict="online")
     settings: list[tuple[str, str, ExternalBN | None]] = [("global", "global", base),
-                                                         ("fedbn_average (App. G)", "fedbn_average", None)]
+                                                         ("fedbn_average (App. G)", "fedbn_average", None),
+                                                         ("bn_average (averaged statistics)", "bn_average", None)]
     settings += [(f"batch {b}", "test_time_bn", replace(unifed, batch_size=b, momentum=0.0))
                  for b in ABLATION_TEST_BATCH_SIZES]
     settings += [(f"momentum {m}", "test_time_bn", replace(unifed, batch_size=DEFAULT_TEST_BATCH_SIZE, momentum=m))
@@ -116,20 +119,24 @@ def iter_ablation(
         engine = build_engine(config, method_cfg, seed, clients)
         cell = store.cell_dir(run_dir, method_cfg.display, seed)
         # the global model and test-time statistics need the server's state only; FedBN App. G's row averages the
-        # internal clients' own BN affine parameters where the method keeps them local. A Flower checkpoint has
-        # none (they stay on the nodes), but the run itself scored that row at every evaluation, the server
-        # averaging the affine parameters the nodes sent (docs/flower.md): the row is read from its metrics, at
-        # the checkpoint's round (the same computation: the run's fedbn_average uses App. G's own statistics)
-        from_run = flower and engine.bn_affine_is_local
+        # internal clients' own BN affine parameters where the method keeps them local, the bn_average row their BN
+        # affine and running statistics (SiloBN's statistics too). A Flower checkpoint has none (they stay on the
+        # nodes), but the run itself scored those modes at every evaluation it listed them for, the server averaging
+        # what the nodes sent (docs/flower.md): such a row is read from its metrics, at the checkpoint's round (the
+        # same computation: the run's fedbn_average uses App. G's own statistics), and left out if the run did not
+        # score it
+        from_clients = {mode for mode in ("fedbn_average", "bn_average")
+                        if engine.local_bn_keys(statistics=mode == "bn_average")}
+        from_run = from_clients if flower else set()
         load_cell_state(engine, cell / state_file, "fednorm external-ablation",
-                        client_state=engine.bn_affine_is_local and not from_run)
+                        client_state=bool(from_clients) and not flower)
         recorded = {r["client"]: r["acc"] for r in store.read_metrics(cell / store.METRICS_FILE)
                     if r["split"] == "test" and r["round"] == engine.round} if from_run else {}
         prepare = engine.runner.evaluation_prepare(engine.input_state)
         label = f"{method_cfg.display}/seed{seed}"
         rows: list[Row] = []
         for client, (name, mode, bn) in rows_left:
-            if from_run and mode == "fedbn_average":
+            if mode in from_run:
                 score = recorded.get(f"{client.name}:{mode}")  # None: the run's external.modes left it out
                 if score is not None:
                     rows.append((label, name, client.name, 100 * score))
