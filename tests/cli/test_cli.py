@@ -358,7 +358,7 @@ def test_external_ablation_writes_unifeds_fig6_and_names_a_run_it_cannot_ablate(
     result = runner.invoke(app, ["external-ablation", str(out)])
     assert result.exit_code == 0, result.output
     saved = json.loads((out / "unifed_ablation.json").read_text())
-    assert len(saved) == 2 + len(ABLATION_TEST_BATCH_SIZES) + len(ABLATION_MOMENTA) + len(ABLATION_ORDERS)
+    assert len(saved) == 3 + len(ABLATION_TEST_BATCH_SIZES) + len(ABLATION_MOMENTA) + len(ABLATION_ORDERS)
     assert [tuple(r) for r in saved] == ablation_rows(out)  # the saved rows are the recomputed ones
     table = (out / "unifed_ablation.md").read_text()
     assert table in result.output and "| fedavg/seed0 | 10 orders: mean (min-max) |" in table
