@@ -62,6 +62,9 @@ from ..data.domain import Split
 from .tasks import CLASSIFICATION, Scorer, Task
 
 EXTERNAL_MODES = ("global", "test_time_bn", "fedbn_average", "bn_average")
+# the modes that average the internal clients' BN layers (so need them from the clients): fedbn_average the weight
+# and bias, bn_average the running statistics too
+CLIENT_AVERAGE_MODES = ("fedbn_average", "bn_average")
 MOMENTUM_CONVENTIONS = ("history", "pytorch")
 PREDICTIONS = ("online", "after_pass")
 

@@ -23,6 +23,7 @@ from ..engines.device import DEVICE_PATTERN, resolve_device
 from ..methods.aggregation import WEIGHTINGS
 from ..methods.amplitude import VARIANTS as AMPLITUDE_VARIANTS
 from ..methods.augment import AUGMENTS, FLAMBY_CROP, FLAMBY_MIN_SIDE, MASK_AUGMENTS
+from ..methods.external import EXTERNAL_MODES, MOMENTUM_CONVENTIONS, PREDICTIONS
 from ..methods.local_update import LocalTraining, native_bf16, resolve_channels_last, resolve_precision
 from ..methods.policy import POLICIES, keeps_bn_state, keeps_bn_statistics
 from ..methods.presets import PRESETS, Method, resolve_method
@@ -559,7 +560,7 @@ class ExternalConfig(_Strict):
 
     domains: list[str] = Field(default_factory=list, description="domains of the external clients (their test "
                                "splits; e.g. the held-out domain of a leave-one-domain-out run)")
-    modes: list[Literal["global", "test_time_bn", "fedbn_average", "bn_average"]] = Field(
+    modes: list[Literal[EXTERNAL_MODES]] = Field(  # type: ignore[valid-type]
         default_factory=lambda: ["global", "test_time_bn", "fedbn_average"], min_length=1,
         description="global: the global model; test_time_bn: UniFed's test-time BN statistics; fedbn_average: the "
         "clients' averaged BN weight and bias, statistics from the external data (FedBN App. G); bn_average: the "
@@ -571,9 +572,9 @@ class ExternalConfig(_Strict):
     batch_size: int = Field(32, ge=1, description="test batch size of test-time BN statistics (UniFed)")
     momentum: float | None = Field(0.9, ge=0, le=1, description="test-time BN momentum; null: population "
                                    "statistics over one pass")
-    convention: Literal["history", "pytorch"] = "history"
+    convention: Literal[MOMENTUM_CONVENTIONS] = "history"  # type: ignore[valid-type]
     reset: bool = True
-    predict: Literal["online", "after_pass"] = "online"
+    predict: Literal[PREDICTIONS] = "online"  # type: ignore[valid-type]
     shuffle_seed: int | None = None
     unbiased: bool = Field(False, description="test-time BN variance with n/(n-1); false: the biased variance BN "
                            "normalizes with in training")

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..methods.external import (
-    ABLATION_MOMENTA, ABLATION_ORDERS, ABLATION_TEST_BATCH_SIZES, DEFAULT_MOMENTUM, DEFAULT_TEST_BATCH_SIZE, ExternalBN,
+    ABLATION_MOMENTA, ABLATION_ORDERS, ABLATION_TEST_BATCH_SIZES, CLIENT_AVERAGE_MODES, DEFAULT_MOMENTUM,
+    DEFAULT_TEST_BATCH_SIZE, ExternalBN,
 )
 from . import store
 from .runner import (RunError, build_engine, build_federation_data, load_cell_state, load_run_config, run_data_dir,
@@ -125,7 +126,7 @@ def iter_ablation(
         # what the nodes sent (docs/flower.md): such a row is read from its metrics, at the checkpoint's round (the
         # same computation: the run's fedbn_average uses App. G's own statistics), and left out if the run did not
         # score it
-        from_clients = {mode for mode in ("fedbn_average", "bn_average")
+        from_clients = {mode for mode in CLIENT_AVERAGE_MODES
                         if engine.local_bn_keys(statistics=mode == "bn_average")}
         from_run = from_clients if flower else set()
         load_cell_state(engine, cell / state_file, "fednorm external-ablation",

@@ -36,6 +36,7 @@ from flwr.common.logger import log
 
 from ...data.domain import ClientData, Split
 from ...methods.aggregation import DivergenceError, UpdateError
+from ...methods.external import CLIENT_AVERAGE_MODES
 from ...methods.local_update import LocalResult
 from ...methods.server import ClientReply
 from ...methods.tasks import balanced_accuracy
@@ -554,7 +555,7 @@ class FlowerEngine:
                     record_of[key] = target.name
                     val_parts[target.name].append(key)
         modes = self.core.external_modes if "test" in splits and self.core.external_clients else ()
-        averaged = [x for x in modes if x in ("fedbn_average", "bn_average")]
+        averaged = [x for x in modes if x in CLIENT_AVERAGE_MODES]
         average = None
         # the clients' BN layers where they keep them locally (FedBN; SiloBN's statistics for bn_average); else the
         # nodes average the global model's, which the clients share
@@ -630,7 +631,7 @@ class FlowerEngine:
                 continue
             if state:
                 states[client.name] = state
-        mode_names = " and ".join(x for x in modes if x in ("fedbn_average", "bn_average"))
+        mode_names = " and ".join(x for x in modes if x in CLIENT_AVERAGE_MODES)
         for client, reason in dropped.items():
             log(WARNING, "fednorm: %s after round %s: client %r left out: %s", mode_names, core.round, client, reason)
         if not states:
