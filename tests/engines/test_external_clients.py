@@ -109,3 +109,33 @@ def test_models_without_batchnorm_get_only_the_global_mode(tiny_clients):
                           external_clients=[outsider])
     names = [e.client for e in eng.evaluate(("test",)) if e.client.startswith("ext")]
     assert names == ["ext:global"]
+
+
+def test_a_federation_with_external_clients_trains_exactly_as_one_without(tiny_clients):
+    """An external client never contributes: not to the aggregation weights, not to SCAFFOLD's client count N in
+    the server's control variate, not to client sampling. Two rounds with a sampled fraction give the same global
+    state, client states and training scores with or without the outsider, and evaluating it changes nothing."""
+    outsider = ClientData("ext", "dx", make_split(30, seed=9, shift=120.0), make_split(24, seed=19, shift=120.0))
+    runs = []
+    for external in ([], [outsider]):
+        torch.manual_seed(2)
+        eng = InProcessEngine(DigitCNN(width=0.125), tiny_clients, resolve_method("scaffold", policy="local_bn"),
+                              LocalTraining(batch_size=8, lr=0.05), Federation(seed=0, channels_last=False,
+                                                                               fraction=2 / 3),
+                              normalize_batch, external_clients=external)
+        losses = []
+        for _ in range(2):
+            losses.append({c: r.mean_loss for c, r in eng.run_round().items()})
+            eng.evaluate(("test",))
+        runs.append((eng, losses))
+    (plain, plain_losses), (with_ext, ext_losses) = runs
+    assert ext_losses == plain_losses
+    for name, states in (("global", lambda e: e.global_state), ("server algorithm", lambda e: e.algorithm_server_state)):
+        a, b = states(plain), states(with_ext)
+        assert a.keys() == b.keys() and a, name
+        for k in a:
+            assert torch.equal(a[k], b[k]), (name, k)
+    assert plain.local_states.keys() == with_ext.local_states.keys() == {c.name for c in tiny_clients}
+    for c in tiny_clients:
+        for k, v in plain.local_states[c.name].items():
+            assert torch.equal(v, with_ext.local_states[c.name][k])

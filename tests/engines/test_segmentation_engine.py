@@ -119,7 +119,11 @@ def test_fedbn_keeps_batchnorm_local_on_the_unet():
 def test_harmofl_runs_on_segmentation():
     eng = engine("harmofl", Task("segmentation", "ce_dice", "code"))
     messages = record_client_messages(eng)
+    before = {k: v.clone() for k, v in eng.global_state.items()}
     eng.run_round()
+    # the sites trained (weight-perturbed steps): every weight of the U-Net moved in the round
+    weights = [k for k, _ in eng.model.named_parameters()]
+    assert weights and all(not torch.equal(eng.global_state[k], before[k]) for k in weights)
     # the global amplitude is the uniform mean of the three sites' round-1 amplitudes (Alg. 1 line 17)
     client_amps = [m["amp.client"] for m in messages]
     assert len(client_amps) == 3

@@ -164,3 +164,32 @@ def test_cross_device_refuses_stateful_moon_and_feddc_but_runs_perfedavg(tiny_cl
     e = engine(tiny_clients, method("perfedavg", "shared"), stateless_clients=True)
     e.run_round()
     assert e.algorithm_states == {}
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedprox", "scaffold", "fedavgm", "fedadam", "fedyogi", "fedadagrad",
+                                  "fednova", "moon", "feddc", "perfedavg"])
+def test_the_local_bn_add_on_keeps_exactly_the_bn_state_local_under_every_algorithm(tiny_clients, name):
+    """UniFed's add-on, one option on any base algorithm: every BN entry (affine and running statistics) and only
+    those stay with the clients; the server's update (mean, server optimizer, FedNova's normalized average,
+    SCAFFOLD/FedDC corrections) moves the shared weights and never touches a BN entry of the global model."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    from fednorm.methods.presets import resolve_method
+
+    client = {"perfedavg_eval_batch": 8} if name == "perfedavg" else {}
+    e = engine(tiny_clients, resolve_method(name, policy="local_bn", client=client or None))
+    bn_keys = {f"{module_name}.{k}" for module_name, module in e.model.named_modules()
+               if isinstance(module, _BatchNorm) for k in module.state_dict()}
+    assert bn_keys and set(e.local_keys) == bn_keys
+    assert not bn_keys & set(e.shared_keys)
+    before = {k: v.clone() for k, v in e.global_state.items()}
+    for _ in range(2):
+        e.run_round()
+    for k in bn_keys:  # the server never aggregates nor steps a BN entry
+        torch.testing.assert_close(e.global_state[k], before[k], rtol=0, atol=0)
+    assert all(not torch.equal(e.global_state[k], before[k]) for k in e.shared_params)  # the shared weights moved
+    for c in tiny_clients:  # each client holds exactly its own trained BN state
+        assert set(e.local_states[c.name]) == bn_keys
+        assert not torch.equal(e.local_states[c.name]["features.1.running_mean"], before["features.1.running_mean"])
+    first, second = (e.local_states[c.name]["features.1.weight"] for c in tiny_clients[:2])
+    assert not torch.equal(first, second)

@@ -287,3 +287,21 @@ def test_errors_are_clear():
         ExternalBN(momentum=None, reset=False)
     with pytest.raises(ValueError, match="convention"):
         ExternalBN(convention="keras")
+
+
+@pytest.mark.parametrize("mode,bn", [
+    ("global", None), ("test_time_bn", ExternalBN(batch_size=3)), ("test_time_bn", ExternalBN(momentum=None)),
+    ("test_time_bn", ExternalBN(batch_size=4, predict="after_pass", reset=False)),
+    ("fedbn_average", None), ("bn_average", None)])
+def test_evaluating_an_external_client_never_changes_the_shared_model(mode, bn):
+    """Test-time statistics (and the averaged BN layers) live in a copy: the model the federation shares keeps
+    every weight and running statistic, and its training flag, whatever the mode; also under a momentum that
+    keeps the model's statistics (reset False), and a second evaluation gives the same score."""
+    model = bn_model().train()
+    before = copy.deepcopy(model.state_dict())
+    clients = [copy.deepcopy(bn_model(seed=s).state_dict()) for s in (1, 2)]
+    first = evaluate_external(model, data(12), prepare, mode, bn, client_states=clients)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert model.training
+    assert evaluate_external(model, data(12), prepare, mode, bn, client_states=clients) == first

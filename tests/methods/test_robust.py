@@ -49,6 +49,9 @@ def test_nnm_by_hand():
     x = t([0, 0], [1, 0], [0, 2], [5, 5])
     _close(nearest_neighbor_mixing(x, 1), [[1 / 3, 2 / 3]] * 3 + [[2.0, 7 / 3]])
     _close(nearest_neighbor_mixing(x, 0), x.mean(0).expand(4, 2))
+    # neighbours by Euclidean distance: from (0, 0), (2, 2) at 2.83 is nearer than (3, 0) at 3 (by the L1 distance
+    # it would be the other way round)
+    _close(nearest_neighbor_mixing(t([0, 0], [3, 0], [2, 2]), 1), [[1.0, 1.0], [2.5, 1.0], [2.5, 1.0]])
 
 
 def test_krum_by_hand():
@@ -56,6 +59,9 @@ def test_krum_by_hand():
     _close(krum(t(0, 1, 2, 10, 11), 1), 1.0)
     x = t([0, 0], [1, 0], [0, 1], [9, 9], [1, 1])  # the four unit-square corners all score 2: first wins
     _close(krum(x, 1), [0.0, 0.0])
+    # the scores sum SQUARED distances over the n-f-2 = 4 nearest: 3 -> 1+4+9+16 = 30 beats 2 -> 1+1+4+25 = 31
+    # (by plain distances 2 would win, 9 against 10)
+    _close(krum(t(0, 1, 2, 3, 7, 8, 9), 1), 3.0)
     with pytest.raises(ValueError, match="n > 2f"):
         krum(t(0, 1, 2, 3), 1)
 
@@ -92,6 +98,10 @@ def test_attacks_against_their_definitions():
     _close(fall_of_empires(h, 3, eps=0.5), (-0.5 * mean).expand(3, 2))
     _close(a_little_is_enough(h, 7, 3, z=2.0), (mean - 2 * std).expand(3, 2))
     assert abs(alie_z(10, 3) - 0.5244) < 1e-4
+    # s = floor(n/2 + 1) - f supporters needed: n = 20, f = 3 gives s = 8, z = Phi^-1(12/20); n = 11, f = 2 gives
+    # s = 4, z = Phi^-1(7/11) (at n = 10, f = 3, s happens to equal f)
+    assert abs(alie_z(20, 3) - 0.2533471031357998) < 1e-12
+    assert abs(alie_z(11, 2) - 0.3487556955170447) < 1e-12
     _close(a_little_is_enough(h, 10, 3), (mean - alie_z(10, 3) * std).expand(3, 2))
 
 

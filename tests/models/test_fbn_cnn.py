@@ -2,7 +2,9 @@ import pytest
 import torch
 from torch import nn
 
+from fednorm.models.fbn import FederatedBatchNorm2d
 from fednorm.models.fbn_cnn import FBNCNN
+from fednorm.models.norm import NORM_KINDS
 from fednorm.models.wsconv import WSConv2d
 
 
@@ -74,3 +76,23 @@ def test_bad_arguments():
         FBNCNN(width=0.125)(torch.zeros(1, 3, 28, 28))
     with pytest.raises(ValueError, match="unknown normalization"):
         FBNCNN(norm="batch")
+
+
+@pytest.mark.parametrize("norm", NORM_KINDS)
+def test_every_normalization_keeps_the_papers_parameter_count_where_it_applies(norm):
+    """Table 1's CNN with any normalization: BN and FBN (the paper's count, 1,310,922), GN, LN and IN (the same
+    per-channel affine, 2 x 384) keep the paper's trainable count; without normalization the 768 affine parameters
+    go, and WSConv adds its 384 gains (one per output channel). FBN has BN's running statistics and nothing else."""
+    torch.manual_seed(0)
+    model = FBNCNN(norm=norm).train()
+    count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    expected = {"none": 1_310_922 - 768, "ws": 1_310_922 - 768 + 384}.get(norm, 1_310_922)
+    assert count == expected
+    if norm in ("bn", "fbn"):
+        bns = layers(model, (nn.BatchNorm2d, FederatedBatchNorm2d))
+        assert len(bns) == 4 and all(isinstance(b, FederatedBatchNorm2d) == (norm == "fbn") for b in bns)
+        assert sum(b.running_mean.numel() + b.running_var.numel() for b in bns) == 768
+        assert sum(buf.numel() for buf in model.buffers()) == 768 + 4  # and each layer's num_batches_tracked
+    out = model(torch.randn(2, 3, 32, 32))
+    out.sum().backward()
+    assert out.shape == (2, 10) and all(p.grad is not None for p in model.parameters())

@@ -58,28 +58,41 @@ def test_unequal_batch_sizes_still_equal_centralized_batchnorm():
         torch.testing.assert_close(shared["0.running_var"], central.running_var, rtol=1e-12, atol=1e-12)
 
 
+def _naive_round(shared: dict, inputs: list[torch.Tensor], beta: float) -> dict:
+    """One round of naive BN: each client's standard BatchNorm (its own K/(K-1)) from ``shared``, and the server's
+    plain mean of the replies, running statistics included."""
+    n = len(inputs)
+    wrapper = nn.Sequential(nn.BatchNorm1d(inputs[0].shape[1], momentum=beta)).double()
+    server = ServerUpdate(ServerSpec(), dict(shared), param_keys={"0.weight", "0.bias"})
+    server.begin(shared)
+    for x in inputs:
+        wrapper.load_state_dict(shared)
+        wrapper.train()(x)
+        server.add(ClientReply("c", {k: v.clone() for k, v in wrapper.state_dict().items()}, 1 / n, 1))
+    return server.finish()
+
+
 def test_naive_averaging_misses_exactly_the_between_client_term():
+    """The server's naive average of standard BN statistics against its FBN combination, one step from (0, 1):
+    the FBN variance is centralized BN's; the naive one lacks the between-client term beta Kn/(Kn-1) mean_i
+    (mu_i - mu)^2 and unbiases with K/(K-1) instead of Kn/(Kn-1), and nothing else."""
     torch.manual_seed(1)
     beta, n, k = 0.1, 10, 30
     inputs = [torch.randn(k, 2, dtype=torch.float64) + 10 * i for i in range(n)]
-    # naive BN: each client's standard BN (K/(K-1)) from (0, 1), averaged
-    naive = []
-    for x in inputs:
-        bn = nn.BatchNorm1d(2, momentum=beta).double().train()
-        bn(x)
-        naive.append(bn.running_var)
-    naive_var = torch.stack(naive).mean(0)
+    start = {f"0.{key}": v.clone() for key, v in FederatedBatchNorm1d(2, momentum=beta).double().state_dict().items()}
+    naive_var = _naive_round(start, inputs, beta)["0.running_var"]
+    fbn_var = _round(start, inputs, FederatedBatchNorm1d, beta)["0.running_var"]
     central = nn.BatchNorm1d(2, momentum=beta).double().train()
     central(torch.cat(inputs))
+    torch.testing.assert_close(fbn_var, central.running_var, rtol=1e-12, atol=1e-10)
     means = torch.stack([x.mean(0) for x in inputs])
-    biased = torch.stack([x.var(0, correction=0) for x in inputs])
+    biased_within = torch.stack([x.var(0, correction=0) for x in inputs]).mean(0)
     kn = k * n
     between = beta * kn / (kn - 1) * ((means - means.mean(0)) ** 2).mean(0)
-    # centralized = naive with Kn/(Kn-1) in place of K/(K-1), plus the between-client term
-    within = (1 - beta) + beta * kn / (kn - 1) * biased.mean(0)
-    torch.testing.assert_close(central.running_var, within + between, rtol=1e-12, atol=1e-10)
-    torch.testing.assert_close(naive_var, (1 - beta) + beta * k / (k - 1) * biased.mean(0), rtol=1e-12, atol=1e-12)
-    assert (central.running_var - naive_var > 50).all()  # means 0..90 apart: the term dominates
+    unbiasing_gap = beta * (kn / (kn - 1) - k / (k - 1)) * biased_within
+    torch.testing.assert_close(naive_var, (1 - beta) + beta * k / (k - 1) * biased_within, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fbn_var - naive_var, between + unbiasing_gap, rtol=1e-12, atol=1e-10)
+    assert (between > 50).all()  # means 0..90 apart: the term dominates
 
 
 def test_training_output_uses_previous_shared_statistics_per_sample_and_equals_eval():
