@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from fednorm.models import DigitCNN, build_model, make_norm
+from fednorm.models import NORM_KINDS, DigitCNN, WSConv2d, build_model, make_norm
 
 
 def layers(module, kind):
@@ -89,3 +89,38 @@ def test_width_scales_channels_for_small_test_models():
     model = build_model("digit_cnn", width=0.125)
     assert [c.out_channels for c in layers(model, nn.Conv2d)] == [8, 8, 16]
     assert model(torch.zeros(3, 3, 28, 28)).shape == (3, 10)
+
+
+@pytest.mark.parametrize("norm", NORM_KINDS)
+def test_the_digit_cnn_and_the_mlp_build_and_train_with_every_norm_from_the_registry(norm):
+    """Every normalization through ``build_model`` (the path a config takes): the requested layer type and no other,
+    a forward and backward pass reaching every parameter. Instance norm after a linear layer is refused with what
+    to do: FedBN's classifier has BN after its linear layers (the FedWon classifier has none, and builds), the MLP
+    only has linear layers."""
+    from fednorm.models.fbn import FederatedBatchNorm1d, FederatedBatchNorm2d
+
+    expected = {"bn": {nn.BatchNorm2d, nn.BatchNorm1d}, "fbn": {FederatedBatchNorm2d, FederatedBatchNorm1d},
+                "gn": {nn.GroupNorm}, "ln": {nn.GroupNorm}, "in": {nn.InstanceNorm2d}, "none": set(), "ws": set()}[norm]
+    norm_types = (nn.BatchNorm1d, nn.BatchNorm2d, FederatedBatchNorm1d, FederatedBatchNorm2d, nn.GroupNorm,
+                  nn.InstanceNorm2d, nn.LayerNorm)
+    cases = [("digit_cnn", {"width": 0.25, "classifier": "fedwon" if norm == "in" else "fedbn"}, (2, 3, 28, 28)),
+             ("mlp", {"in_features": 8}, (2, 8))]
+    if norm == "in":
+        with pytest.raises(ValueError, match=r"instance norm after a linear layer .* \(classifier: fedwon\)"):
+            build_model("digit_cnn", norm=norm, width=0.25)
+        with pytest.raises(ValueError, match="the MLP has linear layers only: .* choose bn, fbn, gn, ln or none"):
+            build_model("mlp", norm=norm, in_features=8)
+        cases = cases[:1]
+    for name, options, shape in cases:
+        torch.manual_seed(0)
+        model = build_model(name, norm=norm, **options).train()
+        found = {type(m) for m in model.modules() if isinstance(m, norm_types)}
+        if name == "mlp" and norm != "none":
+            expected_here = {t for t in expected if t not in (nn.BatchNorm2d, FederatedBatchNorm2d)}
+        else:
+            expected_here = expected
+        assert found == expected_here, (name, found)
+        assert not [m for m in model.modules() if isinstance(m, WSConv2d)] or norm == "ws"
+        out = model(torch.randn(*shape))
+        out.sum().backward()
+        assert all(p.grad is not None for p in model.parameters()), name

@@ -28,6 +28,9 @@ class MLP(nn.Module):
                  hidden: int = FEDBN_HIDDEN) -> None:
         super().__init__()
         check_norm(norm)
+        if norm == "in":  # make_norm's message points to a classifier option, which the MLP does not have
+            raise ValueError("the MLP has linear layers only: instance norm would normalize single values; choose "
+                             "bn, fbn, gn, ln or none")
         if in_features < 1:
             raise ValueError(f"in_features must be >= 1, got {in_features}")
         if width <= 0:
