@@ -436,16 +436,19 @@ def test_effective_steps_equal_the_local_optimizers_movement_under_a_constant_gr
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_scaffold_option_two_recovers_a_constant_gradient_with_or_without_momentum(momentum):
-    """A linear loss has the same gradient everywhere: option II's c_i must equal it, momentum or not."""
+    """A linear loss has the same gradient g everywhere: the local steps follow g + c - c_i, so option II's
+    c_i+ = c_i - c + (x - y_i) / (K lr) is g, momentum or not, whatever c and c_i were; the client sends
+    Delta c_i = c_i+ - c_i (a flipped correction, or c_i+ sent instead of its change, would not give these)."""
     from fednorm.methods.client_algorithms import Scaffold
 
     torch.manual_seed(0)
     model = nn.Linear(4, 1, bias=False)
     weight = torch.randn(1, 4)
     x = torch.randn(16, 4)
-    ctx = context(model, lr=0.05)
+    c, c_i = torch.tensor([[0.3, -0.2, 0.5, 0.1]]), torch.tensor([[-0.4, 0.6, 0.2, -0.3]])
+    ctx = context(model, lr=0.05, client_state={"c_i.weight": c_i.clone()})
     ctx.momentum = momentum
-    ctx.server_state = {"c.weight": torch.zeros(1, 4)}
+    ctx.server_state = {"c.weight": c}
     algo = Scaffold(ClientSpec("scaffold"))
     algo.on_start(ctx, model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
@@ -457,7 +460,7 @@ def test_scaffold_option_two_recovers_a_constant_gradient_with_or_without_moment
     grad = (x.mean(0) * weight.sum()).reshape(1, 4)
     message = algo.on_end(ctx, model, 6)
     torch.testing.assert_close(ctx.client_state["c_i.weight"], grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(message["c.weight"], grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(message["c.weight"], grad - c_i, rtol=1e-5, atol=1e-6)
 
 
 def test_scaffold_literal_step_count_divides_the_drift_by_k_lr_under_momentum():
@@ -468,9 +471,10 @@ def test_scaffold_literal_step_count_divides_the_drift_by_k_lr_under_momentum():
     model = nn.Linear(4, 1, bias=False)
     start = model.weight.detach().clone()
     x = torch.randn(16, 4)
-    ctx = context(model, lr=0.05)
+    c, c_i = torch.tensor([[0.3, -0.2, 0.5, 0.1]]), torch.tensor([[-0.4, 0.6, 0.2, -0.3]])
+    ctx = context(model, lr=0.05, client_state={"c_i.weight": c_i.clone()})
     ctx.momentum = 0.9
-    ctx.server_state = {"c.weight": torch.zeros(1, 4)}
+    ctx.server_state = {"c.weight": c}
     algo = Scaffold(ClientSpec("scaffold", scaffold_effective_steps=False))
     algo.on_start(ctx, model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -480,4 +484,4 @@ def test_scaffold_literal_step_count_divides_the_drift_by_k_lr_under_momentum():
         algo.on_gradients(ctx, model)
         opt.step()
     algo.on_end(ctx, model, 6)
-    torch.testing.assert_close(ctx.client_state["c_i.weight"], (start - model.weight.detach()) / (6 * 0.05))
+    torch.testing.assert_close(ctx.client_state["c_i.weight"], c_i - c + (start - model.weight.detach()) / (6 * 0.05))
