@@ -1062,3 +1062,27 @@ def test_only_the_federations_clients_can_diverge_an_external_client_is_scored_n
     check_evaluations([ev("a", 0.5), ev("x", math.nan), ev("x", math.inf)], external_names={"x"})
     with pytest.raises(DivergenceError, match=r"test loss on b is nan .*; 1 more client evaluations too"):
         check_evaluations([ev("a", 0.5), ev("b", math.nan), ev("x", math.nan), ev("a", math.inf)], {"x"})
+
+
+def test_model_projection_dim_gives_every_cell_moons_head_and_moon_contrasts_its_output(tmp_path):
+    """``model.projection_dim`` builds MOON's projection head into the run's model, for MOON and for the baseline
+    beside it (the same network, as MOON's code compares); the head's weights are shared and aggregated, and
+    MOON's z is the projection output (projection_dim values per sample)."""
+    from fednorm.methods.client_algorithms import representation_module
+    from fednorm.runs.runner import build_engine, build_federation_data
+
+    cfg = tiny_config("methods=[moon, fedavg]", "model.projection_dim=8", "federation.rounds=1",
+                      "federation.eval_every=1")
+    clients = build_federation_data(cfg, None)
+    for method in cfg.methods:
+        engine = build_engine(cfg, method, 0, clients)
+        head = engine.model.classifier[-1]
+        assert (head.project2.out_features, head.output.in_features) == (8, 8)
+        assert {"classifier.6.project1.weight", "classifier.6.output.weight"} <= set(engine.shared_params)
+        before = {k: v.clone() for k, v in engine.global_state.items()}
+        engine.run_round()
+        assert not torch.equal(engine.global_state["classifier.6.project2.weight"], before["classifier.6.project2.weight"])
+        name, _ = representation_module(engine.model)
+        assert name == "classifier.6.output"
+    with pytest.raises(Exception, match="U-Net ends in a 1 x 1 convolution"):
+        load_config("default", ["model.name=unet", "model.projection_dim=8"])

@@ -57,7 +57,7 @@ class ClientSpec:
     moon_mu: float = 1.0
     moon_tau: float = 0.5
     # the module whose INPUT is MOON's representation z; None = the model's last nn.Linear (the output layer),
-    # so z is what the output layer sees, as MOON's projection-head output is (see Moon)
+    # so z is what the output layer sees: the projection-head output with model.projection_dim (see Moon)
     moon_layer: str | None = None
     # FedDC: weight alpha of the penalty (alpha/2)||theta_i + h_i - theta||^2 (official CIFAR scripts: 1e-2)
     feddc_alpha: float = 0.01
@@ -352,11 +352,12 @@ class Moon(ClientAlgorithm):
       composes: z_glob is computed with the client's own BN, as UniFed needs.
     - The global and previous models run in eval mode (BN with running statistics), as in the official code.
     - z: MOON's model is base encoder -> projection head (a 2-layer MLP, out_dim 256) -> output layer, and z
-      is the projection-head output, i.e. the output layer's input. On an arbitrary fednorm model there is no
-      projection head; z is taken as the input of the last nn.Linear (for DigitCNN: the 512-d output of
-      FC2 -> BN -> ReLU, which plays the projection head's part). ``moon_layer`` names another module whose
-      input is z instead (e.g. "classifier.0" for the flattened conv features, the encoder output without a
-      head). Adding a projection head would change the model and its aggregated state, so it is not done here.
+      is the projection-head output, i.e. the output layer's input; z is taken as the input of the last
+      nn.Linear. ``model.projection_dim: 256`` gives the model MOON's head (models/projection.py; part of the
+      model, aggregated as any weight, for every method of the run); without it (the default, the model as the
+      other methods have it) the output layer's input plays its part (for DigitCNN: the 512-d output of
+      FC2 -> BN -> ReLU). ``moon_layer`` names another module whose input is z instead (e.g. "classifier.0" for
+      the flattened conv features, the encoder output without a head).
     - First round of a client: it has no previous model; the previous model is then the global model
       (z_prev = z_glob), which makes l_con = log 2, a constant with zero gradient. The official code instead
       has an empty model pool in round 0 (l_con = 0): the same training, only the reported loss differs.

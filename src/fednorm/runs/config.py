@@ -32,6 +32,7 @@ from ..methods.server import ROBUST_RULES, SERVER_OPTIMIZERS, SERVER_RULES
 from ..methods.tasks import DICE_BACKGROUND, LOSSES, METRICS, Task, build_task
 from ..models.alexnet import MIN_INPUT as ALEXNET_MIN_INPUT, PRETRAINED
 from ..models.norm import BATCHNORM_KINDS, NORM_KINDS
+from ..models.projection import add_projection_head
 from ..models.registry import MODEL_NAMES, build_model, unsupported_options
 from ..models.wsconv import WSConv2d
 
@@ -175,6 +176,18 @@ class ModelConfig(_Strict):
     input_size: int | None = Field(
         None, ge=1, description="alexnet only: resize every batch to input_size x input_size (bilinear) at the start "
         "of the forward pass, e.g. 224 for 32 x 32 CIFAR images and the ImageNet weights (UniFed's size is lost)")
+    projection_dim: int | None = Field(
+        None, ge=1, description="MOON's projection head (the paper's 256): the output layer becomes Linear(d, d) -> "
+        "ReLU -> Linear(d, projection_dim) -> Linear(projection_dim, classes), and MOON contrasts the projection's "
+        "output; for every method of the run, as MOON's code trains its baselines with the same network. Unset: "
+        "no head, MOON contrasts the output layer's input")
+
+    @model_validator(mode="after")
+    def _projection_needs_a_linear_output(self) -> "ModelConfig":
+        if self.projection_dim is not None and self.name == "unet":
+            raise ValueError("model.projection_dim: the U-Net ends in a 1 x 1 convolution, not a linear output layer "
+                             "for MOON's projection head to precede; leave model.projection_dim unset")
+        return self
 
     @model_validator(mode="after")
     def _options_the_model_takes(self) -> "ModelConfig":
@@ -228,6 +241,8 @@ class ModelConfig(_Strict):
         for module in model.modules():
             if isinstance(module, WSConv2d):
                 module.variance = self.ws_variance
+        if self.projection_dim is not None:
+            add_projection_head(model, self.projection_dim)
         return model
 
 
