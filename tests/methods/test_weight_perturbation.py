@@ -146,6 +146,32 @@ def test_alpha_zero_is_the_plain_base_optimizer_and_adam_works():
         torch.testing.assert_close(p1, p2)
 
 
+def test_default_alpha_is_the_papers_and_adam_steps_with_the_perturbed_gradient():
+    """Without alpha the wrapper uses HarmoFL's 0.05; around Adam (the prostate setting) the base step is Adam's
+    first step taken with g at theta + delta: from zero moments, theta - lr * g_delta / (|g_delta| + eps)."""
+    u, w = quadratic_params()
+    lr, eps = 1e-2, 1e-8
+    opt = WeightPerturbation(torch.optim.Adam([u, w], lr=lr, betas=(0.9, 0.99), eps=eps))
+    assert opt.param_groups[0]["alpha"] == 0.05
+    opt.step(make_closure(u, w))
+    g = grad(THETA0)
+    g_delta = grad(THETA0 + 0.05 * g / g.norm())
+    # Adam's first step, bias-corrected: m_hat = g_delta, v_hat = g_delta^2
+    expected = THETA0 - lr * g_delta / (g_delta.abs() + eps)
+    torch.testing.assert_close(torch.cat([u, w]).detach(), expected, rtol=0, atol=1e-12)
+    # the unperturbed gradient gives another step (Adam's first step is lr * sign(g) where no sign changes, so
+    # compare the second step, where the moments carry the perturbed gradients)
+    g2 = grad(expected)
+    opt.step(make_closure(u, w))
+    g2_delta = grad(expected + 0.05 * g2 / g2.norm())
+    m = (0.1 * 0.9 * g_delta + 0.1 * g2_delta) / (1 - 0.9 ** 2)
+    v = (0.01 * 0.99 * g_delta ** 2 + 0.01 * g2_delta ** 2) / (1 - 0.99 ** 2)
+    torch.testing.assert_close(torch.cat([u, w]).detach(), expected - lr * m / (v.sqrt() + eps), rtol=0, atol=1e-12)
+    m_plain = (0.1 * 0.9 * g_delta + 0.1 * g2) / (1 - 0.9 ** 2)
+    v_plain = (0.01 * 0.99 * g_delta ** 2 + 0.01 * g2 ** 2) / (1 - 0.99 ** 2)
+    assert not torch.allclose(expected - lr * m / (v.sqrt() + eps), expected - lr * m_plain / (v_plain.sqrt() + eps))
+
+
 def test_per_group_alpha_with_one_global_norm():
     u, w = quadratic_params()
     opt = WeightPerturbation(torch.optim.SGD([{"params": [u], "alpha": 0.2}, {"params": [w]}], lr=0.1), alpha=0.05)

@@ -67,6 +67,24 @@ def test_fedwon_classifier_has_dropout_and_no_norm():
     assert len(layers(model.features, nn.BatchNorm2d)) == 3
 
 
+def test_instance_norm_normalizes_each_image_and_channel_with_a_learnable_affine():
+    """``in``: InstanceNorm2d with per-channel weight and bias (as GN and LN have; PyTorch's own default has none)
+    and no running statistics: training and evaluation normalize each image's channel by its own mean and
+    variance, then scale and shift."""
+    layer = make_norm("in", 3)
+    assert type(layer) is nn.InstanceNorm2d and layer.affine and not layer.track_running_stats
+    assert sum(p.numel() for p in layer.parameters()) == 6
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([2.0, 0.5, 1.0]))
+        layer.bias.copy_(torch.tensor([1.0, -1.0, 0.0]))
+    x = torch.randn(4, 3, 5, 5) * 3 + 7
+    for mode in (True, False):
+        y = layer.train(mode)(x)
+        mean, var = x.mean((2, 3), keepdim=True), x.var((2, 3), keepdim=True, unbiased=False)
+        expected = (x - mean) / torch.sqrt(var + layer.eps) * layer.weight.view(1, 3, 1, 1) + layer.bias.view(1, 3, 1, 1)
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("norm, groups", [("gn", [32, 32, 64]), ("ln", [1, 1, 1])])
 def test_group_and_layer_norm_follow_fedwon_table5(norm, groups):
     model = DigitCNN(norm=norm, classifier="fedwon")

@@ -165,3 +165,23 @@ def test_converter_keeps_dtype_and_mode_and_refuses_layers_without_a_federated_f
         convert_to_federated_bn(no_stats)
     with pytest.raises(ValueError, match=r"'1'.*momentum=None"):
         convert_to_federated_bn(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, momentum=None)))
+
+
+def test_a_second_local_step_normalizes_with_the_statistics_its_first_step_updated():
+    """With local epochs (several steps per round) step t normalizes with the running statistics as they stand
+    before it: the shared ones at the first step, then those with the client's earlier batches folded in (the
+    documented choice; the paper is silent)."""
+    torch.manual_seed(4)
+    layer = FederatedBatchNorm1d(3, momentum=0.1).double().train()
+    set_federation_size(nn.Sequential(layer), 2)
+    x1, x2 = torch.randn(6, 3, dtype=torch.float64) * 2 + 1, torch.randn(6, 3, dtype=torch.float64) - 3
+    shared_mean, shared_var = layer.running_mean.clone(), layer.running_var.clone()
+    y1 = layer(x1)
+    after_first = layer.running_mean.clone(), layer.running_var.clone()
+    kn = 6 * 2
+    torch.testing.assert_close(after_first[0], 0.9 * shared_mean + 0.1 * x1.mean(0))
+    torch.testing.assert_close(after_first[1], 0.9 * shared_var + 0.1 * kn / (kn - 1) * x1.var(0, correction=0))
+    y2 = layer(x2)
+    for y, x, (m, v) in ((y1, x1, (shared_mean, shared_var)), (y2, x2, after_first)):
+        expected = (x - m) / torch.sqrt(v + layer.eps) * layer.weight + layer.bias
+        torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)

@@ -199,3 +199,20 @@ def test_none_norm_gives_no_norm_layers_and_plain_convs():
     plain = DigitCNN(norm="none", classifier="fedwon", width=0.25)
     assert not [m for m in plain.modules() if isinstance(m, (NORM_LAYER_TYPES + (WSConv2d,)))]
     assert len([m for m in plain.modules() if type(m) is nn.Conv2d]) == 3
+
+
+def test_convert_passes_its_eps_and_variance_to_every_wsconv():
+    """The official-code / paper options reach the swapped convs (grouped and depthwise ones too), so the
+    standardized weight of a converted conv is the formula under those settings."""
+    model = convert_to_ws(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 3, groups=4),
+                                        nn.Conv2d(4, 8, 1, groups=2)), eps=1e-3, variance="biased")
+    convs = [m for m in model.modules() if isinstance(m, WSConv2d)]
+    assert len(convs) == 3
+    for conv in convs:
+        assert conv.variance == "biased" and float(conv.eps) == pytest.approx(1e-3)
+        w = conv.weight.detach().double()
+        fan_in = w[0].numel()
+        var = w.var(dim=(1, 2, 3), keepdim=True, unbiased=False)
+        expected = conv.gain.detach().double().view(-1, 1, 1, 1) * (w - w.mean(dim=(1, 2, 3), keepdim=True)) \
+            / torch.sqrt(torch.clamp(fan_in * var, min=1e-3))
+        torch.testing.assert_close(conv.standardized_weight().double(), expected, rtol=1e-5, atol=1e-6)

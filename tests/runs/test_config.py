@@ -151,9 +151,17 @@ def test_fbn_presets_validate_with_dsgd_settings_and_bad_byzantine_configs_are_r
     assert (adam.server.rule, adam.server.lr) == ("fedadam", 0.1)
 
 
-def test_dsgd_pattern_means_one_step_and_a_persistent_optimizer():
+def test_dsgd_pattern_means_one_step_and_a_persistent_optimizer(tmp_path):
     cfg = load_config("default", ["federation.pattern=dsgd"])
     assert cfg.training.steps == 1 and cfg.federation.persistent_optimizer
+    # the server's step is Algorithm 3's (1/n) sum_i g_i unless a weighting is asked for
+    # a config that names no weighting: the config's default is samples, dsgd's uniform; an explicit one is kept
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("name: plain\nmethods: [fedavg]\n")
+    assert load_config(plain).federation.weighting == "samples"
+    assert load_config(plain, ["federation.pattern=dsgd"]).federation.weighting == "uniform"
+    assert load_config(plain, ["federation.pattern=dsgd", "federation.weighting=samples"]).federation.weighting \
+        == "samples"
     with pytest.raises(ConfigError, match="one local step"):
         load_config("default", ["federation.pattern=dsgd", "training.steps=5"])
     with pytest.raises(ConfigError, match="momentum"):

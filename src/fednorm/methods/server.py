@@ -292,6 +292,8 @@ class ServerUpdate:
             # unequal K under a robust rule: the robust formula with the mean K (no exact form exists)
             return aggregate_fbn(means, vars_, beta, max(1, round(sum(counts) / len(counts))), aggregator)
         # exact against centralized BN: the shared variance the clients started from undoes their own unbiasing
+        # (one step per round, DSGD; after several local steps the counts are each client's last batch and the
+        # undoing assumes a single EMA step from ``previous``: an approximation, see models/fbn.py)
         previous = self._global[f"{prefix}.running_var"].to(torch.float64)
         return aggregate_fbn_weighted(means, vars_, beta, counts, previous_var=previous)
 

@@ -10,6 +10,14 @@ statistics with (RM) / (RV) (:mod:`fednorm.methods.server`), which equals a cent
 running statistics on the union of the clients' batches. Evaluation mode is standard BN evaluation with
 the shared statistics. Initial statistics are 0 and 1 (the paper's convention, also PyTorch's).
 
+With several local steps per round (local epochs; the paper's exactness holds for one step per round, DSGD):
+step t normalizes with the layer's running statistics as they stand before it, i.e. the round's shared
+statistics at the first step and, at later steps, those statistics with the client's own earlier batches of the
+round folded in. The paper does not say which statistics later local steps use; the alternative, normalizing
+every step of the round with the round's shared statistics, would need a frozen copy per layer. The client
+reports the K of its last batch; the server's (RV) for unequal K (:meth:`ServerUpdate._fbn`) assumes one step per
+round, so after local epochs the server's statistics are an approximation of centralized BN, not equal to it.
+
 The state_dict keys are those of ``nn.BatchNorm*d`` (weight, bias, running_mean, running_var,
 num_batches_tracked), so checkpoints and policies treat the layers like BatchNorm; the layers subclass
 ``_BatchNorm``, so the FedBN / SiloBN policies select them too.

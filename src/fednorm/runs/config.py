@@ -552,7 +552,8 @@ class FederationConfig(_Strict):
     pattern: Literal["rounds", "dsgd"] = Field(
         "rounds", description="rounds: E local epochs (or training.steps) per round, the FedAvg family; dsgd: one "
         "local step per round from the global model with a persistent client optimizer, so the server's average "
-        "is DSGD's averaged (momentum) gradient step (FBN paper, Algorithm 3)")
+        "is DSGD's averaged (momentum) gradient step (FBN paper, Algorithm 3); dsgd's weighting defaults to uniform, "
+        "the algorithm's 1/n")
     on_divergence: OnDivergence = Field(
         "stop", description="when a client's loss or update, or the global model's evaluation loss, turns NaN/inf: "
         "stop the run with an error (stop), or end only that cell, keep the last finite model's scores, mark the "
@@ -827,7 +828,9 @@ class ExperimentConfig(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _dsgd(cls, data: Any) -> Any:
-        """``federation.pattern: dsgd`` sets training.steps = 1 and a persistent optimizer, and refuses others."""
+        """``federation.pattern: dsgd`` sets training.steps = 1 and a persistent optimizer, and refuses others; its
+        weighting defaults to uniform, Algorithm 3's (1/n) sum_i g_i over clients that each step on a batch of b
+        (``samples`` would weight each client's gradient by its data size; set explicitly, it is kept)."""
         if not isinstance(data, dict) or not isinstance(data.get("federation"), dict) or \
                 data["federation"].get("pattern") != "dsgd":
             return data
@@ -842,6 +845,7 @@ class ExperimentConfig(_Strict):
                              "remove persistent_optimizer: false")
         training["steps"] = 1
         federation["persistent_optimizer"] = True
+        federation.setdefault("weighting", "uniform")
         data["training"], data["federation"] = training, federation
         return data
 
