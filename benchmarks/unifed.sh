@@ -56,16 +56,11 @@ if [ -z "${FOLDS:-}" ]; then
   exit 0
 fi
 for held in $FOLDS; do
-  lists=$(.venv/bin/python -c "
-from fednorm.data.corrupt import UNIFED_TYPES
-held = '$held'
-if held not in UNIFED_TYPES: raise SystemExit(f'unknown type {held}; choose from {list(UNIFED_TYPES)}')
-# BASE=cifar10c: the released CIFAR-10-C files (preset unifed_cifar10c_external); else a generated corruption of BASE
-name = (lambda c: f'cifar10c/{c}/$SEVERITY') if '$BASE' == 'cifar10c' else (lambda c: f'corrupt/{c}/$SEVERITY/$BASE')
-train = [name(c) for t, cs in UNIFED_TYPES.items() if t != held for c in cs]
-print('[' + ','.join(train) + ']', '[' + ','.join(name(c) for c in UNIFED_TYPES[held]) + ']')")
-  set -- $lists
-  run "benchmarks/results/unifed/$PRESET-$held$SUFFIX" --set "data.domains=$1" --set "external.domains=$2"
+  # external.held_out_type builds the fold's two domain lists from one corrupted domain naming the set and severity
+  # (BASE=cifar10c: the released CIFAR-10-C files, preset unifed_cifar10c_external; else a generated corruption of BASE)
+  if [ "$BASE" = cifar10c ]; then any="cifar10c/fog/$SEVERITY"; else any="corrupt/fog/$SEVERITY/$BASE"; fi
+  run "benchmarks/results/unifed/$PRESET-$held$SUFFIX" --set "data.domains=[$any]" --set "external.domains=[]" \
+    --set "external.held_out_type=$held"
   # the fold's external means beside UniFed Table III's means over the same type's columns
   .venv/bin/python benchmarks/unifed_table.py "benchmarks/results/unifed/$PRESET-$held$SUFFIX" --paper \
     | tee "benchmarks/results/unifed/$PRESET-$held$SUFFIX/paper_summary.md"

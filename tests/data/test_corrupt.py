@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fednorm.data import corrupt
-from fednorm.data.corrupt import CORRUPTIONS, UNIFED_TYPES, corrupt_images, corrupt_pool, corruption_domains
+from fednorm.data.corrupt import (CORRUPTIONS, UNIFED_TYPES, corrupt_images, corrupt_pool, corruption_domains,
+                                  corruption_type_fold)
 from fednorm.data.domain import DataError
 from fednorm.data.federation import (build_clients, domain_file, image_size, is_rendered, load_domain, num_classes,
                                      parse_domain)
@@ -171,3 +172,25 @@ def test_real_pacs_photos_corrupted():
     assert bad.pool.x.shape == base.pool.x.shape == (1670, 3, 64, 64)
     assert torch.equal(bad.pool.y, base.pool.y)
     assert bad.pool.x.float().mean() > base.pool.x.float().mean()  # brighter
+
+
+def test_corruption_type_fold_is_unifeds_leave_one_type_out():
+    """Each fold: the held-out type's corruptions are external, the other three types' internal, together UniFed's
+    15 at the named set and severity (12, 11, 12, 10 internal clients for noise, blur, weather, digital)."""
+    sizes = {}
+    for held in UNIFED_TYPES:
+        internal, external = corruption_type_fold(held, ["corrupt/fog/2/usps"])
+        assert external == [f"corrupt/{c}/2/usps" for c in UNIFED_TYPES[held]]
+        assert not set(internal) & set(external)
+        assert sorted(internal + external) == sorted(f"corrupt/{c}/2/usps" for c in CORRUPTIONS)
+        sizes[held] = len(internal)
+        released = corruption_type_fold(held, ["cifar10c/snow/4", "cifar10c/fog/4"])
+        assert released == ([d.replace("corrupt/", "cifar10c/").replace("/2/usps", "/4") for d in internal],
+                            [f"cifar10c/{c}/4" for c in UNIFED_TYPES[held]])
+    assert sizes == {"noise": 12, "blur": 11, "weather": 12, "digital": 10}
+    with pytest.raises(ValueError, match="unknown corruption type 'rain'"):
+        corruption_type_fold("rain", ["corrupt/fog/2/usps"])
+    with pytest.raises(ValueError, match="one set at one severity; the domains give usps severity 2, usps severity 3"):
+        corruption_type_fold("noise", ["corrupt/fog/2/usps", "corrupt/snow/3/usps"])
+    with pytest.raises(ValueError, match="'mnistm' is not one"):
+        corruption_type_fold("noise", ["mnistm"])

@@ -401,3 +401,33 @@ def test_an_empty_key_is_named_as_such(override):
 def test_a_seed_given_twice_is_refused():
     with pytest.raises(ConfigError, match=r"seeds must be distinct, got \[0, 1, 0\]"):
         load_config("default", ["seeds=[0, 1, 0]"])
+
+
+def test_held_out_type_builds_unifeds_fold_and_the_presets_list_their_folds():
+    """``external.held_out_type`` sets both domain lists (from the set and severity the listed domains name); the
+    corrupted external presets hold out noise and list exactly that fold's domains; a type of another fold on the
+    same preset switches both lists, and re-validating a config that holds the fold changes nothing."""
+    from importlib import resources
+
+    import yaml
+
+    from fednorm.data.corrupt import UNIFED_TYPES, corruption_type_fold
+
+    for preset in ("unifed_corrupt_external", "unifed_cifar10c_external"):
+        cfg = load_config(preset)
+        assert cfg.external.held_out_type == "noise"
+        document = yaml.safe_load((resources.files("fednorm.runs") / "presets" / f"{preset}.yaml").read_text())
+        written = (document.get("data", {}).get("domains"), document.get("external", {}).get("domains"))
+        assert (cfg.data.domains, cfg.external.domains) == corruption_type_fold("noise", cfg.data.domains)
+        assert (cfg.data.domains, cfg.external.domains) == written  # the YAML lists what the option builds
+        for held in UNIFED_TYPES:
+            fold = load_config(preset, [f"external.held_out_type={held}"])
+            assert (fold.data.domains, fold.external.domains) == corruption_type_fold(held, cfg.data.domains)
+            again = load_config(preset, [f"external.held_out_type={held}", f"data.domains={fold.data.domains}",
+                                         f"external.domains={fold.external.domains}"])
+            assert again.model_dump() == fold.model_dump()
+    # without the option the lists are as written
+    assert load_config("unifed_corrupt_external", ["external.held_out_type=null", "external.domains=[mnistm]"]
+                       ).external.domains == ["mnistm"]
+    with pytest.raises(ConfigError, match="external.held_out_type: .* 'mnistm' is not one"):
+        load_config("unifed_corrupt_external", ["external.held_out_type=blur", "data.domains=[mnistm]"])

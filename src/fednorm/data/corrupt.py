@@ -87,6 +87,40 @@ def corruption_domains(base: str, severity: int, corruptions: tuple[str, ...] = 
     return [f"{PREFIX}{c}/{severity}/{base}" for c in corruptions]
 
 
+def corruption_type_fold(held: str, domains: list[str]) -> tuple[list[str], list[str]]:
+    """UniFed's leave-one-corruption-type-out fold (Table III): of UniFed's 15 corruptions of one set at one
+    severity, those of the three types other than ``held`` are the internal clients and those of ``held`` the
+    external ones (noise 3, blur 4, weather 3, digital 5: 12, 11, 12 or 10 internal clients). ``domains`` are
+    corrupted domains naming the set and severity, generated (``corrupt/<c>/<s>/<base>``) or released CIFAR-10-C
+    (``cifar10c/<c>/<s>``); returns (internal domains, external domains) in UniFed's column order."""
+    if held not in UNIFED_TYPES:
+        raise ValueError(f"unknown corruption type {held!r}; choose one of {', '.join(UNIFED_TYPES)}")
+    sets = set()
+    for name in domains:
+        if name.startswith(PREFIX):
+            _, severity, base = parse_corrupt_name(name)
+            sets.add((severity, base))
+        elif name.startswith("cifar10c/"):
+            from .cifar10c import parse_cifar10c_name
+
+            sets.add((parse_cifar10c_name(name)[1], None))
+        else:
+            raise ValueError(f"a corruption-type fold needs corrupted domains (corrupt/<corruption>/<severity>/<base> "
+                             f"or cifar10c/<corruption>/<severity>); {name!r} is not one")
+    if len(sets) != 1:
+        found = ", ".join(f"cifar10c severity {s}" if b is None else f"{b} severity {s}" for s, b in sorted(
+            sets, key=str)) or "none"
+        raise ValueError(f"a corruption-type fold needs the corruptions of one set at one severity; the domains "
+                         f"give {found}")
+    severity, base = sets.pop()
+
+    def domain(corruption: str) -> str:
+        return f"cifar10c/{corruption}/{severity}" if base is None else f"{PREFIX}{corruption}/{severity}/{base}"
+
+    internal = [domain(c) for kind, members in UNIFED_TYPES.items() if kind != held for c in members]
+    return internal, [domain(c) for c in UNIFED_TYPES[held]]
+
+
 def parse_corrupt_name(name: str) -> tuple[str, int, str]:
     """``corrupt/<corruption>/<severity>/<base>`` -> ``(corruption, severity, base)``; ValueError if malformed."""
     parts = name[len(PREFIX):].split("/", 2) if name.startswith(PREFIX) else []

@@ -16,6 +16,7 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..data.corrupt import UNIFED_TYPES, corruption_type_fold
 from ..data.domain import INPUT_NORMS
 from ..data.federation import check_domain, check_medical_options, domain_task, image_size, num_classes, parse_domain
 from ..data.partition import LABEL_SKEW_SCHEMES
@@ -576,6 +577,10 @@ class ExternalConfig(_Strict):
 
     domains: list[str] = Field(default_factory=list, description="domains of the external clients (their test "
                                "splits; e.g. the held-out domain of a leave-one-domain-out run)")
+    held_out_type: Literal[tuple(UNIFED_TYPES)] | None = Field(  # type: ignore[valid-type]
+        None, description="UniFed's leave-one-corruption-type-out fold: data.domains and external.domains become "
+        "the corruptions of the other three types and of this one (noise, blur, weather, digital), of the set and "
+        "severity the listed corrupted domains name")
     modes: list[Literal[EXTERNAL_MODES]] = Field(  # type: ignore[valid-type]
         default_factory=lambda: ["global", "test_time_bn", "fedbn_average"], min_length=1,
         description="global: the global model; test_time_bn: UniFed's test-time BN statistics; fedbn_average: the "
@@ -824,6 +829,25 @@ class ExperimentConfig(_Strict):
                     raise ValueError(f"method {m.display!r}: MOON's representation is the input of the last "
                                      "nn.Linear, which the U-Net has none of; set client.moon_layer (e.g. upconvs.0: "
                                      "the bottleneck's output)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _corruption_type_fold(cls, data: Any) -> Any:
+        """``external.held_out_type`` rebuilds data.domains and external.domains as UniFed's fold of that type
+        (the same lists again for a config that already holds them, so a run folder's config re-validates)."""
+        if not isinstance(data, dict) or not isinstance(data.get("external"), dict) or \
+                data["external"].get("held_out_type") is None:
+            return data
+        data, external = dict(data), dict(data["external"])
+        dataset = dict(data.get("data") or {})
+        held = external["held_out_type"]
+        named = list(dataset.get("domains") or []) + list(external.get("domains") or [])
+        try:
+            dataset["domains"], external["domains"] = corruption_type_fold(held, named)
+        except ValueError as e:
+            raise ValueError(f"external.held_out_type: {e}") from None
+        data["data"], data["external"] = dataset, external
+        return data
 
     @model_validator(mode="before")
     @classmethod
