@@ -47,6 +47,13 @@ def test_a_run_without_checkpoints_or_without_local_statistics_is_named(tmp_path
     (run / "fedavg" / "seed0" / store.CHECKPOINT_FILE).unlink()
     with pytest.raises(RunError, match="no cell has a checkpoint.pt"):
         rescore_run(run)
+    # the FedBN cell's checkpoint gone: not "no method keeps BN statistics", but which cells could not be scored
+    both = tmp_path / "both"
+    start_run(tiny_config("methods=[fedavg, fedbn]", "federation.rounds=1", "federation.eval_every=1"), both)
+    (both / "fedbn" / "seed0" / store.CHECKPOINT_FILE).unlink()
+    with pytest.raises(RunError, match=r"no method among the cells with a checkpoint.pt here \(fedavg; fedbn ha\(s\) "
+                                       "none, e.g. deleted or trained elsewhere\) keeps BN statistics"):
+        rescore_run(both)
 
 
 def test_rescore_scores_only_the_internal_clients(tmp_path):

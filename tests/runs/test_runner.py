@@ -112,6 +112,24 @@ def test_resume_drops_metrics_written_after_the_last_checkpoint(tmp_path):
     assert (cell / "metrics.jsonl").read_text() == (tmp_path / "straight" / "fedbn" / "seed0" / "metrics.jsonl").read_text()
 
 
+def test_a_damaged_metrics_line_loses_only_itself_on_resume_and_the_file_as_it_was_is_kept(tmp_path):
+    """A line damaged in the middle of metrics.jsonl (not a kill's cut last line): the resume keeps every other
+    record (not only those before it), leaves that one out, keeps the damaged file aside and says so."""
+    cfg = tiny_config("federation.checkpoint_every=1")
+    start_run(cfg, tmp_path / "straight")
+    with pytest.raises(Stop):
+        start_run(cfg, tmp_path / "stopped", progress=stop_after(3))
+    cell = tmp_path / "stopped" / "fedbn" / "seed0"
+    lines = (cell / "metrics.jsonl").read_text().splitlines(keepends=True)
+    damaged = lines[:2] + [lines[2][:15] + "\n"] + lines[3:]
+    (cell / "metrics.jsonl").write_text("".join(damaged))
+    with pytest.warns(UserWarning, match=r"metrics.jsonl had 1 damaged line\(s\) \(line 3\).*metrics.damaged-1.jsonl"):
+        resume_run(tmp_path / "stopped")
+    assert (cell / "metrics.damaged-1.jsonl").read_text() == "".join(damaged)
+    straight = (tmp_path / "straight" / "fedbn" / "seed0" / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert (cell / "metrics.jsonl").read_text() == "".join(straight[:2] + straight[3:])
+
+
 def test_a_cell_whose_checkpoint_is_gone_trains_again_and_keeps_its_earlier_metrics_aside(tmp_path):
     # a folder copied or cloned without its *.pt files: the unfinished cell cannot go on, but its metrics are results
     cfg = tiny_config()
@@ -1086,3 +1104,60 @@ def test_model_projection_dim_gives_every_cell_moons_head_and_moon_contrasts_its
         assert name == "classifier.6.output"
     with pytest.raises(Exception, match="U-Net ends in a 1 x 1 convolution"):
         load_config("default", ["model.name=unet", "model.projection_dim=8"])
+
+
+def test_damaged_or_missing_run_files_are_named_with_the_way_on(tmp_path):
+    """run.json, partitions.json or summary.json damaged, config.yaml or run.json missing: each is named with what
+    to do, a damaged summary is written again by the resume, and nothing trained is lost."""
+    import shutil
+
+    from fednorm.runs.report import read_cells
+
+    cfg = tiny_config("methods=[fedbn]", "federation.checkpoint_every=1")
+    start_run(cfg, tmp_path / "done")
+    with pytest.raises(Stop):
+        start_run(cfg, tmp_path / "stopped", progress=stop_after(2))
+    copy = lambda name, src="stopped": shutil.copytree(tmp_path / src, tmp_path / name)  # noqa: E731
+    for name, file in (("info", "run.json"), ("parts", "partitions.json")):
+        copy(name)
+        (tmp_path / name / file).write_text('{"run_id": ')
+        with pytest.raises(store.CorruptFileError, match=rf"{name}/{file} is damaged \(not JSON: .*\); it records .*"
+                                                         "restore it .* or delete it to resume without"):
+            resume_run(tmp_path / name)
+    # a damaged summary of a finished cell: kept aside, written again from the checkpoint at its last round
+    copy("summary", "done")
+    cell = tmp_path / "summary" / "fedbn" / "seed0"
+    good = (cell / "summary.json").read_text()
+    (cell / "summary.json").write_text('{"method": ')
+    with pytest.warns(UserWarning, match=r"summary.json was damaged \(kept as summary.damaged-1.json\): the resume "
+                                         "writes the cell's summary again$"):
+        resume_run(tmp_path / "summary")
+    assert json.loads((cell / "summary.json").read_text()) == json.loads(good)
+    assert (cell / "summary.damaged-1.json").read_text() == '{"method": '
+    assert len(read_cells(tmp_path / "summary")) == 1
+    # config.yaml gone from a run folder: not "not a run folder"
+    copy("noconfig")
+    (tmp_path / "noconfig" / "config.yaml").unlink()
+    with pytest.raises(store.CorruptFileError, match=r"config.yaml is missing, but .*noconfig is a run folder \(it "
+                                                     r"has run.json, partitions.json, fedbn/seed0/metrics.jsonl\)"):
+        resume_run(tmp_path / "noconfig")
+    # run.json gone: the resume says what it cannot check, records the fingerprint again, and then catches an edit
+    copy("noinfo")
+    (tmp_path / "noinfo" / "run.json").unlink()
+    with pytest.warns(UserWarning, match=r"checkpoints but no run.json: config.yaml cannot be checked"):
+        resume_run(tmp_path / "noinfo")
+    assert (tmp_path / "noinfo" / "fedbn" / "seed0" / "metrics.jsonl").read_text() == \
+        (tmp_path / "done" / "fedbn" / "seed0" / "metrics.jsonl").read_text()
+    text = (tmp_path / "noinfo" / "config.yaml").read_text()
+    (tmp_path / "noinfo" / "config.yaml").write_text(text.replace("lr: 0.01", "lr: 0.05"))
+    with pytest.raises(RunError, match="was edited since the run wrote it"):
+        resume_run(tmp_path / "noinfo", rounds=6)
+
+
+def test_run_json_records_the_data_folder_as_an_absolute_path(tmp_path, monkeypatch):
+    from fednorm.runs.runner import _write_run_info
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    _write_run_info(tmp_path / "run", "data", tiny_config(), "in-process")
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["data_dir"] == str(tmp_path / "data")

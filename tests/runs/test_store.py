@@ -100,3 +100,35 @@ def test_a_write_that_fails_midway_leaves_the_old_file_and_no_temporary(tmp_path
         store.save_checkpoint(checkpoint, {"round": 2, "bad": Unpicklable()})
     assert store.load_checkpoint(checkpoint)["round"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt", "summary.json"]
+
+
+def test_a_damaged_line_is_skipped_alone_and_truncation_keeps_the_file_as_it_was(tmp_path):
+    path = tmp_path / store.METRICS_FILE
+    records = [{"round": r, "client": "a", "split": "train", "loss": 0.5} for r in (1, 2, 3, 4)]
+    store.append_metrics(path, records)
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0] + '{"round": 2, "cli\n' + lines[2] + "[1, 2]\n" + lines[3] + '{"round": 5, "c')
+    original = path.read_text()
+    # the records after a damaged line are read; a cut last line (a kill) is not damage
+    assert store.read_metrics(path) == [records[0], records[2], records[3]]
+    assert store.damaged_metric_lines(path) == [2, 4]
+    backup = store.truncate_metrics(path, 3)
+    assert backup == tmp_path / "metrics.damaged-1.jsonl" and backup.read_text() == original
+    assert store.read_metrics(path) == [records[0], records[2]] and store.damaged_metric_lines(path) == []
+    # an intact file (or one with only a cut last line) is rewritten without a copy; copies are never overwritten
+    path.write_text(lines[0] + '{"round": 2, "c')
+    assert store.truncate_metrics(path, 3) is None and store.read_metrics(path) == [records[0]]
+    path.write_text("oops\n" + lines[0])
+    assert store.truncate_metrics(path, 3) == tmp_path / "metrics.damaged-2.jsonl"
+    assert backup.read_text() == original
+
+
+def test_an_unreadable_checkpoint_names_the_way_on_for_a_finished_and_an_unfinished_cell(tmp_path):
+    path = tmp_path / store.CHECKPOINT_FILE
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(store.CorruptFileError, match=r"unreadable .* delete it to train the cell again from round 0 "
+                                                     r"on resume \(its metrics are kept aside\)$"):
+        store.load_checkpoint(path)
+    (tmp_path / store.SUMMARY_FILE).write_text("{}")
+    with pytest.raises(store.CorruptFileError, match=r"delete it and the cell's summary.json to train the cell again"):
+        store.load_checkpoint(path)

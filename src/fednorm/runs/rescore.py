@@ -57,7 +57,11 @@ def rescore_run(run_dir: Path, data_dir: str | None = None, model: str = "final"
         if progress:
             progress(done + 1, len(cells))
     if all(row["recomputed"] is None for row in rows):
-        raise RunError(f"{run_dir}: no method of the run keeps BN statistics on each client (FedBN, SiloBN, "
+        scored = {row["method"] for row in rows}
+        unscored = [m.display for m in config.methods if m.display not in scored]
+        which = (f" among the cells with a {state_file} here ({', '.join(sorted(scored))}; "
+                 f"{', '.join(unscored)} ha(s) none, e.g. deleted or trained elsewhere)" if unscored else " of the run")
+        raise RunError(f"{run_dir}: no method{which} keeps BN statistics on each client (FedBN, SiloBN, "
                        "SingleSet, a local_bn add-on): there are none to recompute")
     (run_dir / RESULT_FILE).write_text(json.dumps(rows, indent=1))
     (run_dir / TABLE_FILE).write_text(markdown_table(rows) + "\n")

@@ -299,7 +299,12 @@ def run_cell(
                            "delete the checkpoint to restart this cell from round 0") from exc
     else:
         set_aside_metrics_without_checkpoint(metrics_path)
-    store.truncate_metrics(metrics_path, engine.round)
+    damaged = store.damaged_metric_lines(metrics_path)
+    backup = store.truncate_metrics(metrics_path, engine.round)
+    if backup is not None:
+        warnings.warn(f"{metrics_path} had {len(damaged)} damaged line(s) (line {', '.join(map(str, damaged[:5]))}"
+                      f"{', ...' if len(damaged) > 5 else ''}): their records are left out of the resumed file, the "
+                      f"other records are kept; the file as it was is kept in {backup.name}", RunWarning, stacklevel=2)
     selection = ModelSelection(cell / store.SELECTED_FILE, store.read_metrics(metrics_path),
                                keep=config.federation.keep_selected_model)
     rounds, f = config.federation.rounds, config.federation
@@ -631,6 +636,24 @@ def config_fingerprint(config: ExperimentConfig, written_without: Collection[int
     return out
 
 
+RUN_INFO_REMEDY = ("it records the run's data folder, its sessions and the fingerprint of the config its checkpoints "
+                   "were trained with: restore it (e.g. from a copy of the run folder), or delete it to resume without "
+                   "checking config.yaml against the run's start")
+PARTITIONS_REMEDY = ("it records what data every client holds, checked on resume: restore it (e.g. from a copy of the "
+                     "run folder), or delete it to resume without that check (it is then written from the data now)")
+
+
+def read_run_info(run_dir: Path) -> dict:
+    """run.json of ``run_dir`` ({} when there is none); a damaged one is a CorruptFileError saying what to do."""
+    path = Path(run_dir) / RUN_INFO_FILE
+    if not path.exists():
+        return {}
+    info = store.read_json(path, RUN_INFO_REMEDY)
+    if not isinstance(info, dict):
+        raise store.CorruptFileError(f"{path} is damaged (not a JSON object); {RUN_INFO_REMEDY}")
+    return info
+
+
 def trained_by(run_dir: Path) -> str:
     """The engine (in-process or flower) that trains the run in ``run_dir``, as run.json records it. Runs begun
     before run.json named the engine: a Flower run is known by its flower.json (written when it finished), its
@@ -684,8 +707,7 @@ def check_config_unchanged(run_dir: Path, config: ExperimentConfig, engine: str 
     neither. Only the settings both recorded and fingerprinted now are compared: a setting a later fednorm added (its
     default filled in on loading), or no longer counts as a training setting, is no edit. Runs written before the
     fingerprint existed are not checked. ``engine`` (in-process or flower) picks the commands the message gives."""
-    info_path = Path(run_dir) / RUN_INFO_FILE
-    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    info = read_run_info(run_dir)
     recorded = info.get("config_fingerprint")
     if not recorded:
         return
@@ -720,8 +742,7 @@ def _write_config(run_dir: Path, config: ExperimentConfig) -> None:
     leaves a run.json that accepts the config.yaml on disk: the new fingerprint beside the old one, config.yaml,
     the new fingerprint alone."""
     new = config_fingerprint(config)
-    info_path = run_dir / RUN_INFO_FILE
-    old = json.loads(info_path.read_text()).get("config_fingerprint") if info_path.exists() else None
+    old = read_run_info(run_dir).get("config_fingerprint")
     if old and old != new:
         _update_run_info(run_dir, {"config_fingerprint": new, "config_fingerprint_before": old})
     store.write_text(run_dir / store.CONFIG_FILE, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
@@ -729,9 +750,8 @@ def _write_config(run_dir: Path, config: ExperimentConfig) -> None:
 
 
 def _update_run_info(run_dir: Path, entries: dict, drop: tuple[str, ...] = ()) -> None:
-    info_path = run_dir / RUN_INFO_FILE
-    info = json.loads(info_path.read_text()) if info_path.exists() else {}
-    store.write_json(info_path, {k: v for k, v in info.items() if k not in drop} | entries)
+    info = read_run_info(run_dir)
+    store.write_json(run_dir / RUN_INFO_FILE, {k: v for k, v in info.items() if k not in drop} | entries)
 
 
 def _write_run_info(run_dir: Path, data_dir: Path | None, config: ExperimentConfig, engine: str) -> None:
@@ -739,7 +759,7 @@ def _write_run_info(run_dir: Path, data_dir: Path | None, config: ExperimentConf
     store.write_json(run_dir / RUN_INFO_FILE, {
         "run_id": uuid.uuid4().hex,  # tells this run's state apart from another run's of the same config (Flower nodes)
         "engine": engine,  # which engine trains it, and so which command resumes it (check_engine)
-        "data_dir": str(data_dir) if data_dir else None,
+        "data_dir": str(Path(data_dir).absolute()) if data_dir else None,  # a resume from another directory finds it
         "fednorm_version": __import__("fednorm").__version__,
         **resolved_hardware(config),
         "torch": torch.__version__,
@@ -768,8 +788,7 @@ def record_session(run_dir: Path, config: ExperimentConfig, todo: list[tuple[str
     this process trains) the training environment; each cell it trains adds its starting round (:func:`run_cell`).
     Warns when cells of ``todo`` (:func:`unfinished_cells`) resume from a checkpoint in another environment than
     the one that trained before: their numbers then equal an uninterrupted run's to float rounding only."""
-    info_path = run_dir / RUN_INFO_FILE
-    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    info = read_run_info(run_dir)
     engine = trained_by(run_dir)
     session = {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "host": socket.gethostname(), "engine": engine, "fednorm_version": __import__("fednorm").__version__}
@@ -793,10 +812,7 @@ def record_session(run_dir: Path, config: ExperimentConfig, todo: list[tuple[str
 
 def _record_cell_start(run_dir: Path, label: str, seed: int, start_round: int) -> None:
     """The round a cell starts training from in this session (0, or its checkpoint's), in run.json's last session."""
-    info_path = run_dir / RUN_INFO_FILE
-    if not info_path.exists():
-        return
-    info = json.loads(info_path.read_text())
+    info = read_run_info(run_dir)
     if not info.get("sessions"):
         return
     info["sessions"][-1]["cells"][f"{label}/seed{seed}"] = start_round
@@ -931,7 +947,7 @@ def check_partitions(run_dir: Path, clients: list[ClientData]) -> None:
     if not path.exists():
         store.write_json(path, record)
         return
-    saved = json.loads(path.read_text())
+    saved = store.read_json(path, PARTITIONS_REMEDY)
     if saved == record:
         return
     if len(saved) == len(record) and any("partition_record" in c.meta for c in clients):
@@ -987,6 +1003,13 @@ def load_run_config(run_dir: Path) -> ExperimentConfig:
     if Path(run_dir).is_file() and find_run_folder(Path(run_dir).parent) is not None:
         raise RunError(f"{run_dir} is a file of a run: give its run folder, {find_run_folder(Path(run_dir).parent)}")
     if not path.exists():
+        left = [name for name in (RUN_INFO_FILE, PARTITIONS_FILE) if (Path(run_dir) / name).exists()] + \
+            [str(p.relative_to(run_dir)) for p in sorted(Path(run_dir).glob(f"*/seed*/{store.METRICS_FILE}"))[:2]]
+        if left:  # a run folder that lost its config: nothing can resume it, but its files are results
+            raise store.CorruptFileError(
+                f"{path} is missing, but {run_dir} is a run folder (it has {', '.join(left)}): the resolved config "
+                f"the run trained with is needed to resume or score it; restore {store.CONFIG_FILE} (e.g. from a copy "
+                "of the run folder), or start a new run in another folder")
         raise RunError(f"{run_dir} is not a run folder (no {store.CONFIG_FILE}); start one with `fednorm run`")
     try:
         saved = yaml.safe_load(path.read_text())
@@ -1039,8 +1062,7 @@ def run_data_dir(run_dir: Path, config: ExperimentConfig, data_dir: str | None =
     (None when the run needs no data folder)."""
     if not needs_data_folder(config):
         return None
-    info_path = Path(run_dir) / RUN_INFO_FILE
-    recorded = json.loads(info_path.read_text()).get("data_dir") if info_path.exists() else None
+    recorded = read_run_info(run_dir).get("data_dir")
     return resolve_data_dir(data_dir or config.data.data_dir or recorded)
 
 
@@ -1063,6 +1085,15 @@ def _resume_locked(run_dir: Path, data_dir: str | None, progress: ProgressFn | N
     config = load_run_config(run_dir)
     check_engine(run_dir, "in-process")
     check_config_unchanged(run_dir, config)
+    missing = {RUN_INFO_FILE: "config.yaml cannot be checked against the config its checkpoints were trained with",
+               PARTITIONS_FILE: "the data cannot be checked against the data the run started with"}
+    missing = {name: what for name, what in missing.items() if not (run_dir / name).exists()}
+    if missing and any(run_dir.glob(f"*/seed*/{store.CHECKPOINT_FILE}")):
+        warnings.warn(f"{run_dir} has checkpoints but no {' and no '.join(missing)}: {'; '.join(missing.values())}. "
+                      "The resume goes on and records them from now on (restore the originals first to have the "
+                      "checks)", RunWarning, stacklevel=3)
+        if RUN_INFO_FILE in missing:
+            _update_run_info(run_dir, {"config_fingerprint": config_fingerprint(config)})
     if rounds is not None and rounds != config.federation.rounds:
         config = extend_rounds(run_dir, config, rounds)
     if on_divergence is not None and on_divergence != config.federation.on_divergence:
@@ -1098,13 +1129,13 @@ def extend_rounds(run_dir: Path, config: ExperimentConfig, rounds: int) -> Exper
             cell = store.cell_dir(run_dir, method_cfg.display, seed)
             summary = cell / store.SUMMARY_FILE
             if summary.exists() and not (cell / store.CHECKPOINT_FILE).exists() \
-                    and "diverged" not in json.loads(summary.read_text()):  # a diverged cell keeps its outcome
+                    and "diverged" not in store.read_json(summary, "delete it (the cell then trains again) or "
+                                                          "restore it"):  # a diverged cell keeps its outcome
                 raise RunError(f"{cell} finished at round {old} but its {store.CHECKPOINT_FILE} is gone, so it cannot "
                                f"go on to round {rounds}; start a new run")
     extended = config.model_copy(update={"federation": config.federation.model_copy(update={"rounds": rounds})})
     _write_config(run_dir, extended)
-    info_path = run_dir / RUN_INFO_FILE
-    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    info = read_run_info(run_dir)
     _update_run_info(run_dir, {"extended": [*info.get("extended", []), {"from": old, "to": rounds}]})
     return extended
 
@@ -1113,7 +1144,22 @@ def finished_summary(cell: Path, config: ExperimentConfig) -> dict | None:
     """The cell's summary if it has finished the config's rounds (a diverged cell has: its outcome is recorded),
     else None: no summary, or one of fewer rounds than the run now has (an extended run goes on)."""
     path = cell / store.SUMMARY_FILE
-    summary = json.loads(path.read_text()) if path.exists() else None
+    try:
+        summary = store.read_json(path, "") if path.exists() else None
+        if summary is not None and (not isinstance(summary, dict) or "rounds" not in summary):
+            raise store.CorruptFileError(f"{path} is not a cell summary")
+    except store.CorruptFileError:
+        # a damaged summary: the cell is not counted as finished, so the run's resume writes it again (from the
+        # checkpoint at its last round, or, without one, by training the cell again, its metrics set aside)
+        k = 1
+        while (kept := path.with_name(f"summary.damaged-{k}.json")).exists():
+            k += 1
+        path.rename(kept)
+        gone = "" if (cell / store.CHECKPOINT_FILE).exists() else (
+            f"; its {store.CHECKPOINT_FILE} is gone too, so the cell trains again from round 0")
+        warnings.warn(f"{path} was damaged (kept as {kept.name}): the resume writes the cell's summary again{gone}",
+                      RunWarning, stacklevel=2)
+        return None
     if summary is not None and "diverged" not in summary and summary["rounds"] < config.federation.rounds:
         return None
     return summary

@@ -20,6 +20,8 @@ RUN_DIR/
     summary.json              final and best per-client metrics (written when the cell ends)
     metrics.no-checkpoint-<k>.jsonl  metrics of a history whose checkpoint was gone on resume (the cell trained
                               again from round 0; kept, never overwritten)
+    metrics.damaged-<k>.jsonl  metrics.jsonl as it was on a resume that found damaged lines in it (the resumed file
+                              leaves them out; kept, never overwritten)
     accuracy.png, loss.png    per-client curves
     drift.png, dissimilarity.png  per-client drift and gradient dissimilarity (diagnostics on)
     landscape[-span<s>].{json,png}  loss-landscape slice (diagnostics.landscape, `fednorm landscape`)
@@ -32,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -79,12 +82,24 @@ class CorruptFileError(RuntimeError):
     """A file of a run folder cannot be read back; the message names it and what to do."""
 
 
+def read_json(path: Path, remedy: str):
+    """A JSON file of a run folder; a damaged one (not JSON) is a CorruptFileError naming it and ``remedy``."""
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptFileError(f"{path} is damaged (not JSON: {exc}); {remedy}") from None
+
+
 def load_checkpoint(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint gets the same advice
+        finished = (path.parent / SUMMARY_FILE).exists()
         raise CorruptFileError(
-            f"checkpoint {path} is unreadable ({exc}); delete it to restart this cell from round 0"
+            f"checkpoint {path} is unreadable ({exc}); restore it (e.g. from a copy of the run folder), or delete it"
+            + (f" and the cell's {SUMMARY_FILE} to train the cell again from round 0 on resume (its metrics are kept "
+               "aside; with its summary kept the cell stays finished, but nothing can score or extend it)"
+               if finished else " to train the cell again from round 0 on resume (its metrics are kept aside)")
         ) from exc
 
 
@@ -116,26 +131,56 @@ def append_metrics(path: Path, records: list[dict]) -> None:
         os.fsync(fh.fileno())
 
 
-def read_metrics(path: Path) -> list[dict]:
+def _metric_lines(path: Path) -> tuple[list[dict], list[int]]:
+    """The records of a metrics file, and the (1-based) numbers of its lines that are not JSON records, other than
+    a last line cut by a kill (appends are whole lines, fsynced: only the last can be cut short)."""
     if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
+        return [], []
+    records, damaged = [], []
+    lines = path.read_text(errors="replace").splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, line in enumerate(lines):
         line = line.strip()
         if not line:
             continue
         try:
             record = json.loads(line)  # (bare NaN too: files written before 2026-11-26 have it)
-        except json.JSONDecodeError:
-            break  # a line cut by a kill: everything after it is discarded too
+            if not isinstance(record, dict) or "round" not in record:
+                raise ValueError("not a metrics record")
+        except ValueError:  # json.JSONDecodeError is a ValueError
+            if i != last:
+                damaged.append(i + 1)
+            continue  # only this line is lost, not the records after it
         records.append({k: math.nan if v is None else v for k, v in record.items()})
-    return records
+    return records, damaged
 
 
-def truncate_metrics(path: Path, last_round: int) -> None:
-    """Keep only the records of rounds <= ``last_round`` (the checkpoint's), dropping a partial tail."""
-    kept = [r for r in read_metrics(path) if r["round"] <= last_round]
+def read_metrics(path: Path) -> list[dict]:
+    """Every record of a metrics file; a line that is not a record (a kill's cut last line, or damage) is skipped
+    (:func:`truncate_metrics` keeps a copy of a damaged file before it rewrites it)."""
+    return _metric_lines(path)[0]
+
+
+def truncate_metrics(path: Path, last_round: int) -> Path | None:
+    """Keep only the records of rounds <= ``last_round`` (the checkpoint's), dropping a partial tail. A file with
+    damaged lines (not JSON records, other than a cut last line) is first copied to ``metrics.damaged-<k>.jsonl``
+    beside it (never overwritten), whose path is returned: the rewrite leaves those lines out."""
+    records, damaged = _metric_lines(path)
+    backup = None
+    if damaged:
+        stem, suffix = path.name.split(".", 1)[0], "".join(path.suffixes)
+        k = 1
+        while (backup := path.with_name(f"{stem}.damaged-{k}{suffix}")).exists():
+            k += 1
+        shutil.copy2(path, backup)
+    kept = [r for r in records if r["round"] <= last_round]
     atomic_write_bytes(path, lambda fh: fh.write("".join(dumps(r) + "\n" for r in kept).encode()))
+    return backup
+
+
+def damaged_metric_lines(path: Path) -> list[int]:
+    """The numbers of a metrics file's damaged lines (see :func:`truncate_metrics`)."""
+    return _metric_lines(path)[1]
 
 
 def write_json(path: Path, data) -> None:

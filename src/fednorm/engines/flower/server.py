@@ -42,8 +42,8 @@ from ...methods.server import ClientReply
 from ...methods.tasks import balanced_accuracy
 from ...runs import store
 from ...runs.config import ExperimentConfig, MethodConfig
-from ...runs.runner import (PARTITIONS_FILE, RUN_INFO_FILE, CellResult, RunError, build_engine, check_config_unchanged,
-                            check_engine, execute, load_run_config, run_lock, start_run, without_class_counts)
+from ...runs.runner import (PARTITIONS_FILE, CellResult, RunError, build_engine, check_config_unchanged, check_engine,
+                            execute, load_run_config, read_run_info, run_lock, start_run, without_class_counts)
 from ..simulation import Evaluation
 from . import messages as m
 from .node import check_flower_method, experiment_text
@@ -746,8 +746,7 @@ def run_experiment(grid, settings: ServerSettings, progress=None) -> list[CellRe
 
     def build(cfg: ExperimentConfig, method_cfg: MethodConfig, seed: int, cell_clients: list[ClientData]):
         # run.json exists by now (written when the run folder is made) and keeps its id across resumes
-        info = run_dir / RUN_INFO_FILE
-        run_id = json.loads(info.read_text()).get("run_id", "") if info.exists() else ""
+        run_id = read_run_info(run_dir).get("run_id", "")
         engine = FlowerEngine(grid, roster, cfg, method_cfg, seed, cell_clients, settings.options,
                               store.cell_dir(run_dir, method_cfg.display, seed), run_id=run_id,
                               finished_cells=tuple(built))
