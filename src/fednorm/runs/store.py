@@ -18,6 +18,7 @@ RUN_DIR/
     selected.pt               engine state at the round of the best mean validation score (runs with validation
                               data; written with the checkpoint, so both belong to one history)
     summary.json              final and best per-client metrics (written when the cell ends)
+    summary.damaged-<k>.json  a summary.json a resume found damaged (the resume writes the summary again)
     metrics.no-checkpoint-<k>.jsonl  metrics of a history whose checkpoint was gone on resume (the cell trained
                               again from round 0; kept, never overwritten)
     metrics.damaged-<k>.jsonl  metrics.jsonl as it was on a resume that found damaged lines in it (the resumed file
