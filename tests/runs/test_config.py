@@ -405,8 +405,9 @@ def test_a_seed_given_twice_is_refused():
 
 def test_held_out_type_builds_unifeds_fold_and_the_presets_list_their_folds():
     """``external.held_out_type`` sets both domain lists (from the set and severity the listed domains name); the
-    corrupted external presets hold out noise and list exactly that fold's domains; a type of another fold on the
-    same preset switches both lists, and re-validating a config that holds the fold changes nothing."""
+    corrupted external presets list exactly the noise fold's domains (without the option: lists a user gives are
+    used as given); a type on the preset switches both lists, and re-validating a config that holds the fold
+    changes nothing."""
     from importlib import resources
 
     import yaml
@@ -415,7 +416,7 @@ def test_held_out_type_builds_unifeds_fold_and_the_presets_list_their_folds():
 
     for preset in ("unifed_corrupt_external", "unifed_cifar10c_external"):
         cfg = load_config(preset)
-        assert cfg.external.held_out_type == "noise"
+        assert cfg.external.held_out_type is None
         document = yaml.safe_load((resources.files("fednorm.runs") / "presets" / f"{preset}.yaml").read_text())
         written = (document.get("data", {}).get("domains"), document.get("external", {}).get("domains"))
         assert (cfg.data.domains, cfg.external.domains) == corruption_type_fold("noise", cfg.data.domains)
@@ -426,8 +427,8 @@ def test_held_out_type_builds_unifeds_fold_and_the_presets_list_their_folds():
             again = load_config(preset, [f"external.held_out_type={held}", f"data.domains={fold.data.domains}",
                                          f"external.domains={fold.external.domains}"])
             assert again.model_dump() == fold.model_dump()
-    # without the option the lists are as written
-    assert load_config("unifed_corrupt_external", ["external.held_out_type=null", "external.domains=[mnistm]"]
-                       ).external.domains == ["mnistm"]
+    # without the option the lists are as given
+    assert load_config("unifed_corrupt_external", ["external.domains=[corrupt/fog/2/mnistm]"]
+                       ).external.domains == ["corrupt/fog/2/mnistm"]
     with pytest.raises(ConfigError, match="external.held_out_type: .* 'mnistm' is not one"):
         load_config("unifed_corrupt_external", ["external.held_out_type=blur", "data.domains=[mnistm]"])
