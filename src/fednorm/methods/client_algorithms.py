@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..models.norm import buffers_kept
+from ..models.projection import output_layer
 
 PERFEDAVG_VARIANTS = ("fo", "hf")
 PERFEDAVG_EVAL_DATA = ("test", "train")
@@ -310,11 +311,11 @@ def representation_module(model: nn.Module, name: str | None = None) -> tuple[st
     ``nn.Linear`` (in registration order: the output layer of every fednorm model)."""
     modules = dict(model.named_modules())
     if name is None:
-        linears = [(n, m) for n, m in modules.items() if isinstance(m, nn.Linear)]
-        if not linears:
+        found = output_layer(model)
+        if found is None:
             raise ValueError("MOON takes its representation z as the input of the model's last nn.Linear, but the "
                              "model has none; set ClientSpec.moon_layer to the module whose input is z")
-        return linears[-1]
+        return found
     if name not in modules or name == "":
         raise ValueError(f"moon_layer {name!r} is not a submodule of the model; it must name the module whose input "
                          f"is z, one of {', '.join(n for n in modules if n)}")

@@ -19,13 +19,11 @@ from torch import nn
 MOON_OUT_DIM = 256  # MOON Sec. 4.1 / the official code's default out_dim
 
 
-def output_layer(model: nn.Module) -> tuple[str, nn.Linear]:
-    """The model's last ``nn.Linear`` (in registration order: the output layer of every fednorm classifier)."""
+def output_layer(model: nn.Module) -> tuple[str, nn.Linear] | None:
+    """The model's last ``nn.Linear`` (in registration order: the output layer of every fednorm classifier), or
+    None when it has none. The one place that says which layer MOON's head precedes and MOON's z enters."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if not linears:
-        raise ValueError(f"{type(model).__name__} has no nn.Linear output layer to put MOON's projection head "
-                         "before (a segmentation U-Net ends in a convolution); leave model.projection_dim unset")
-    return linears[-1]
+    return linears[-1] if linears else None
 
 
 def add_projection_head(model: nn.Module, out_dim: int = MOON_OUT_DIM) -> nn.Module:
@@ -34,7 +32,11 @@ def add_projection_head(model: nn.Module, out_dim: int = MOON_OUT_DIM) -> nn.Mod
     PyTorch's default initialisation from the global random stream (seeded as the model's own)."""
     if out_dim < 1:
         raise ValueError(f"the projection head's out_dim must be >= 1, got {out_dim}")
-    name, last = output_layer(model)
+    found = output_layer(model)
+    if found is None:
+        raise ValueError(f"{type(model).__name__} has no nn.Linear output layer to put MOON's projection head "
+                         "before (a segmentation U-Net ends in a convolution); leave model.projection_dim unset")
+    name, last = found
     if not name:
         raise ValueError("the model itself is a single nn.Linear; wrap it in nn.Sequential first")
     d = last.in_features

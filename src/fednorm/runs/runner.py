@@ -299,9 +299,9 @@ def run_cell(
                            "delete the checkpoint to restart this cell from round 0") from exc
     else:
         set_aside_metrics_without_checkpoint(metrics_path)
-    damaged = store.damaged_metric_lines(metrics_path)
     backup = store.truncate_metrics(metrics_path, engine.round)
-    if backup is not None:
+    if backup is not None:  # rare: only then is the kept copy parsed again, for the line numbers
+        damaged = store.damaged_metric_lines(backup)
         warnings.warn(f"{metrics_path} had {len(damaged)} damaged line(s) (line {', '.join(map(str, damaged[:5]))}"
                       f"{', ...' if len(damaged) > 5 else ''}): their records are left out of the resumed file, the "
                       f"other records are kept; the file as it was is kept in {backup.name}", RunWarning, stacklevel=2)
