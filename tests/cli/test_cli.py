@@ -10,6 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from fednorm.cli.main import app
+from fednorm.runs.runner import run_lock
 
 from ..runs.test_runner import TINY
 
@@ -213,7 +214,12 @@ def test_report_names_unfinished_cells_and_survives_a_damaged_config(tmp_path):
     (out / "fedbn" / "seed0" / "summary.json").unlink()  # as if fedbn were still running
     partial = runner.invoke(app, ["report", str(out), "--markdown"], terminal_width=400)
     assert partial.exit_code == 0, partial.output
-    assert "1 of its 2 cells have not finished (fedbn seed 0)" in " ".join(partial.output.split())
+    assert "1 of its 2 cells have not finished (fedbn seed 0); finish them: `fednorm resume" in " ".join(partial.output.split())
+    with run_lock(out):  # a process running the folder now: a resume would be refused, so none is advised
+        going = runner.invoke(app, ["report", str(out), "--markdown"], terminal_width=400)
+    going_text = " ".join(going.output.split())
+    assert going.exit_code == 0 and f"(fedbn seed 0); process {os.getpid()} on " in going_text
+    assert "is running it now" in going_text and "fednorm resume" not in going_text
     one_cell = runner.invoke(app, ["report", str(out / "fedavg" / "seed0"), "--markdown"], terminal_width=400)
     assert one_cell.exit_code == 0 and "have not finished" not in one_cell.output  # the others were not asked for
     (out / "config.yaml").write_text("")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 
 from fednorm.data import datafolder
 from fednorm.data.datafolder import ENV_VAR, load_npz, resolve_data_dir
-from fednorm.data.domain import DataError
+from fednorm.data.domain import DataError, DataWarning
 
 from ..conftest import real_data_dir, write_data_folder
 
@@ -143,8 +144,18 @@ def test_unlisted_file_loads_without_manifest(tmp_path):
     arrays = _arrays(1)
     (tmp_path / "digits").mkdir()
     np.savez(tmp_path / "digits/a.npz", **arrays)
-    out = load_npz(tmp_path, "digits/a.npz")
+    with pytest.warns(DataWarning, match=r"digits/a.npz was read without a size and checksum check: .*manifest.json is missing"):
+        out = load_npz(tmp_path, "digits/a.npz")
     np.testing.assert_array_equal(out["x_train"], arrays["x_train"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per file, not on every load
+        load_npz(tmp_path, "digits/a.npz")
+    root = write_data_folder(tmp_path / "listed", {"digits/a.npz": arrays, "digits/b.npz": arrays}, listed=["digits/a.npz"])
+    with pytest.warns(DataWarning, match=r"digits/b.npz was read .*manifest.json lists no such file"):
+        load_npz(root, "digits/b.npz")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a listed, checked file: no warning
+        load_npz(root, "digits/a.npz")
 
 
 def test_unreadable_npz(tmp_path):

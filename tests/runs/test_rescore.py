@@ -7,7 +7,7 @@ import pytest
 
 from fednorm.runs import store
 from fednorm.runs.rescore import RESULT_FILE, TABLE_FILE, markdown_table, rescore_run
-from fednorm.runs.runner import RunError, build_engine, build_federation_data, load_run_config, start_run
+from fednorm.runs.runner import RunError, RunWarning, build_engine, build_federation_data, load_run_config, start_run
 
 from ..conftest import tiny_run_config as tiny_config
 
@@ -52,8 +52,23 @@ def test_a_run_without_checkpoints_or_without_local_statistics_is_named(tmp_path
     start_run(tiny_config("methods=[fedavg, fedbn]", "federation.rounds=1", "federation.eval_every=1"), both)
     (both / "fedbn" / "seed0" / store.CHECKPOINT_FILE).unlink()
     with pytest.raises(RunError, match=r"no method among the cells with a checkpoint.pt here \(fedavg; fedbn ha\(s\) "
-                                       "none, e.g. deleted or trained elsewhere\) keeps BN statistics"):
+                                       r"none, e.g. deleted or trained elsewhere\) keeps BN statistics"):
         rescore_run(both)
+
+
+def test_one_unreadable_checkpoint_costs_its_cell_only(tmp_path):
+    run = tmp_path / "run"
+    start_run(tiny_config("methods=[fedbn, silobn]", "federation.rounds=1", "federation.eval_every=1"), run)
+    whole = {row["method"]: row for row in rescore_run(run)}
+    (run / "silobn" / "seed0" / store.CHECKPOINT_FILE).write_bytes(b"cut off")
+    with pytest.warns(RunWarning, match=r"skipped silobn seed 0: .*checkpoint.*unreadable"):
+        rows = rescore_run(run)
+    assert [row["method"] for row in rows] == ["fedbn"] and rows[0] == whole["fedbn"]
+    assert json.loads((run / RESULT_FILE).read_text()) == rows
+    (run / "fedbn" / "seed0" / store.CHECKPOINT_FILE).write_bytes(b"cut off")
+    with pytest.warns(RunWarning), pytest.raises(RunError, match=r"no checkpoint.pt could be read \(fedbn seed 0, "
+                                                                 r"silobn seed 0;"):
+        rescore_run(run)
 
 
 def test_rescore_scores_only_the_internal_clients(tmp_path):

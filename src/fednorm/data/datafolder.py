@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 import zipfile
 import zlib
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import platformdirs
 
-from fednorm.data.domain import DataError
+from fednorm.data.domain import DataError, DataWarning
 from fednorm.data.download import sha256_of
 
 ENV_VAR = "FEDNORM_DATA"
@@ -40,6 +41,8 @@ def _other_folder(data_dir: Path) -> str:
 # Files whose checksum already matched in this process, keyed by (path, size, mtime_ns, expected
 # sha256): a file that has not changed on disk is not hashed again on every load.
 _verified: set[tuple[str, int, int, str]] = set()
+# Files already warned about as read unchecked in this process (one warning per file, not per load).
+_warned_unchecked: set[str] = set()
 
 
 def is_junk_path(parts: Sequence[str]) -> bool:
@@ -122,8 +125,9 @@ def load_npz(
     """Read ``data_dir/relpath`` into a dict of arrays, verifying it against the manifest first.
 
     If ``data_dir/manifest.json`` lists the file (its ``file`` field equals ``relpath``), the size
-    and sha256 must match. ``keys`` restricts loading to those arrays and makes each of them
-    required; without it every array of the file is loaded. Pickled arrays are refused.
+    and sha256 must match; a file it does not list loads with a :class:`DataWarning` (once per file).
+    ``keys`` restricts loading to those arrays and makes each of them required; without it every
+    array of the file is loaded. Pickled arrays are refused.
     """
     data_dir = Path(data_dir)
     path = data_dir / relpath
@@ -159,12 +163,20 @@ def load_npz(
                 f"It is not in the documented format. {_redo(data_dir, relpath)}. {_other_folder(data_dir)}."
             )
         try:
-            return {k: npz[k] for k in wanted}
+            arrays = {k: npz[k] for k in wanted}
         except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
             raise DataError(
                 f"Data file {path} has an unreadable array ({type(exc).__name__}: {exc}). "
                 f"{_redo(data_dir, relpath)}. {_other_folder(data_dir)}."
             ) from exc
+    if entry is None and str(path.resolve()) not in _warned_unchecked:
+        _warned_unchecked.add(str(path.resolve()))
+        why = "lists no such file" if (data_dir / MANIFEST_NAME).is_file() else "is missing"
+        warnings.warn(
+            f"Data file {path} was read without a size and checksum check: {data_dir / MANIFEST_NAME} {why}. "
+            "`fednorm data prepare` writes the files it makes into the manifest; for a file made by hand, add its "
+            "entry (format: ../shared/data/README.md)", DataWarning, stacklevel=2)
+    return arrays
 
 
 def verify_folder(data_dir: Path) -> list[tuple[str, str]]:

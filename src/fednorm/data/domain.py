@@ -16,6 +16,10 @@ class DataError(RuntimeError):
     """A data file is missing, corrupt or not in the expected format; the message says what to do."""
 
 
+class DataWarning(UserWarning):
+    """Data that load but could not be checked (a file no manifest lists): results may rest on a wrong file."""
+
+
 @dataclass(frozen=True)
 class Split:
     """Images (uint8, N x C x H x W) and their labels (int64, N)."""

@@ -1074,9 +1074,12 @@ def _read_one(source: str | Path | None) -> tuple[dict, Path | None]:
             )
         text = (resources.files("fednorm.runs") / "presets" / f"{name}.yaml").read_text()
     try:
-        document = yaml.load(text, Loader=_UniqueKeyLoader) or {}
+        document = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {source} is not valid YAML: {exc}") from None
+    if document is None:  # an empty file (or only comments): most likely the wrong file, not "all defaults"
+        raise ConfigError(f"config {source} is empty: write the keys to change (README.md, section Configuration), "
+                          "or `extends: default` for the built-in defaults as they are")
     if not isinstance(document, dict):
         raise ConfigError(f"config {source} must be a mapping of keys to values, got {type(document).__name__}")
     return document, where
@@ -1123,7 +1126,7 @@ def _close_keys(loc: tuple) -> list[str]:
         model = next((m for m in _models_in(field.annotation)), None)
         if model is None:
             return []
-    prefix = ".".join(str(p) for p in loc[:-1] if not isinstance(p, int))
+    prefix = ".".join(str(p) for p in loc[:-1])  # the list index stays: methods.0.name, the path the user wrote
     names = difflib.get_close_matches(str(loc[-1]), list(getattr(model, "model_fields", {})), n=2, cutoff=0.6)
     return [f"{prefix}.{n}" if prefix else n for n in names]
 

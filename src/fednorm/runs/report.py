@@ -274,14 +274,16 @@ def read_summaries(run_dir: Path) -> list[dict]:
 def no_finished_cell(path: Path) -> str:
     """Why ``path`` gave a report no finished cell, and what to do: a run (or a cell of one) still going, runs
     below it none of which finished, or no run at all (a file, or a folder `fednorm run` did not write)."""
-    from .runner import find_run_folder, resume_command
+    from .runner import find_run_folder, resume_command, run_holder
 
     path = Path(path)
     if path.is_file():
         return f"{path} is a file: give run folders (the --out of `fednorm run`) or cell folders in them"
     run = find_run_folder(path)
     if run is not None:
-        return f"{path}: no finished cell yet; finish it: {resume_command(run)}"
+        holder = run_holder(run)
+        return f"{path}: no finished cell yet; " + (f"{holder} is running it now" if holder else
+                                                    f"finish it: {resume_command(run)}")
     runs = sorted({p.parent for p in path.glob(f"**/{store.CONFIG_FILE}")})
     if runs:
         return (f"{path}: none of its {len(runs)} run folder(s) has a finished cell yet; resume one, e.g. "
@@ -352,7 +354,7 @@ def collect_runs(run_dirs: list[Path], split_by: str | None = None, best_from_me
     Raises :class:`~fednorm.runs.runner.RunError` for a folder that does not exist, and for ``split_by`` with a
     cell outside any run folder; :class:`~fednorm.runs.config.ConfigError` for an unknown ``split_by`` key."""
     from .config import ConfigError
-    from .runner import RunError, find_run_folder, load_run_config, resume_command
+    from .runner import RunError, find_run_folder, load_run_config, resume_command, run_holder
 
     out = Collected()
     configs: dict[Path, object] = {}  # run folder -> its config (None: unreadable, noted once)
@@ -453,9 +455,11 @@ def collect_runs(run_dirs: list[Path], split_by: str | None = None, best_from_me
         short = [f"{label} seed {seed} ({r} rounds)" for (label, seed), r in done.items()
                  if r is not None and r < config.federation.rounds]
         if missing:
+            holder = run_holder(run_dir)
             out.notes.append(f"{run_dir}: {len(missing)} of its {len(expected)} cells have not finished "
-                             f"({', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}); "
-                             f"finish them: {resume_command(run_dir)}")
+                             f"({', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}); " +
+                             (f"{holder} is running it now" if holder else
+                              f"finish them: {resume_command(run_dir)}"))
         if short:
             out.notes.append(f"{run_dir}: its config asks for {config.federation.rounds} rounds; "
                              f"{', '.join(short[:6])} finished fewer (an extension still going?)")

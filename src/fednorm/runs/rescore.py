@@ -11,12 +11,14 @@ statistics (FedAvg, FixBN, FBN) or has no BatchNorm have no per-client statistic
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 from . import store
-from .runner import RunError, build_engine, build_federation_data, load_cell_state, load_run_config, run_data_dir
+from .runner import (RunError, RunWarning, build_engine, build_federation_data, load_cell_state, load_run_config,
+                     run_data_dir)
 from .unifed_ablation import model_file
 
 RESULT_FILE = "rescore_bn.json"
@@ -29,7 +31,8 @@ def rescore_run(run_dir: Path, data_dir: str | None = None, model: str = "final"
     """One entry per cell with the ``model`` file (``final``: checkpoint.pt, ``selected``: selected.pt): method,
     seed, round, and for ``stored`` and ``recomputed`` each internal client's test score in percent (``None``
     for ``recomputed`` where the method keeps no BN statistics per client). Writes :data:`RESULT_FILE` and
-    :data:`TABLE_FILE` into the run folder."""
+    :data:`TABLE_FILE` into the run folder. A cell whose file cannot be read is left out with a
+    :class:`~fednorm.runs.runner.RunWarning` naming it (an error when it is the only cell, or when no file reads)."""
     run_dir = Path(run_dir)
     config = load_run_config(run_dir)
     state_file = model_file(model)
@@ -41,10 +44,18 @@ def rescore_run(run_dir: Path, data_dir: str | None = None, model: str = "final"
     clients = build_federation_data(config, run_data_dir(run_dir, config, data_dir))
     internal = {c.name for c in clients if not c.meta.get("external")}
     rows: list[dict] = []
+    unreadable: list[str] = []  # one bad file costs its cell only: the others are still scored
     for done, (method_cfg, seed) in enumerate(cells):
         engine = build_engine(config, method_cfg, seed, clients)
         path = store.cell_dir(run_dir, method_cfg.display, seed) / state_file
-        load_cell_state(engine, path, "fednorm rescore", client_state=True)  # each internal client with its own BN
+        try:
+            load_cell_state(engine, path, "fednorm rescore", client_state=True)  # each client with its own BN
+        except (store.CorruptFileError, RunError) as exc:
+            if len(cells) == 1:
+                raise
+            unreadable.append(f"{method_cfg.display} seed {seed}")
+            warnings.warn(f"skipped {method_cfg.display} seed {seed}: {exc}", RunWarning, stacklevel=2)
+            continue
         row: dict = {"method": method_cfg.display, "seed": seed, "round": engine.round}
         for statistics in STATISTICS:
             engine.federation = replace(engine.federation, recompute_bn_statistics=statistics == "recomputed")
@@ -56,6 +67,9 @@ def rescore_run(run_dir: Path, data_dir: str | None = None, model: str = "final"
         rows.append(row)
         if progress:
             progress(done + 1, len(cells))
+    if not rows:
+        raise RunError(f"{run_dir}: no {state_file} could be read ({', '.join(unreadable)}; the warnings above say "
+                       "why and what to do)")
     if all(row["recomputed"] is None for row in rows):
         scored = {row["method"] for row in rows}
         unscored = [m.display for m in config.methods if m.display not in scored]

@@ -874,6 +874,27 @@ def run_lock(run_dir: Path):
         fh.close()
 
 
+def run_holder(run_dir: Path) -> str | None:
+    """Who holds ``run_dir``'s lock now (``"process <pid> on <host>"``), or None when no process runs it: what a
+    report says instead of advising a resume that :func:`run_lock` would refuse. Takes and drops the lock at once;
+    writes nothing."""
+    import fcntl
+
+    path = Path(run_dir) / LOCK_FILE
+    if not path.is_file():
+        return None
+    try:
+        with open(path) as fh:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return fh.read().strip() or "another process"
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+    except OSError:  # unreadable, or a filesystem without locks: nothing known
+        return None
+    return None
+
+
 def start_run(
     config: ExperimentConfig, run_dir: Path, data_dir: str | None = None, progress: ProgressFn | None = None,
     clients: list[ClientData] | None = None, build: EngineBuilder | None = None, engine: str = "in-process",
