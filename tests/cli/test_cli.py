@@ -680,3 +680,20 @@ def test_flower_commands_without_the_flower_extra_say_how_to_install_it(tmp_path
         assert result.exit_code == 2 and "Flower is not installed" in output, output
         assert "install it with: pip install 'fednorm[flower]'" in output
     assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_while_the_command_starts_is_one_line_not_a_traceback(monkeypatch, capsys):
+    import importlib.metadata
+
+    import fednorm.cli as cli
+
+    [script] = [e for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "fednorm"]
+    assert script.load() is cli.entry_point  # the installed command goes through the guard
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_load_app", interrupted)
+    with pytest.raises(SystemExit) as stopped:
+        cli.entry_point()
+    assert stopped.value.code == 130 and capsys.readouterr().err == "stopped while starting; nothing was run\n"

@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ..data.domain import DataError
+from ..data.domain import DataError, DataWarning
 from ..engines.device import DeviceError
 from ..methods.aggregation import DivergenceError, UpdateError
 from ..methods.presets import PRESETS
@@ -45,9 +45,9 @@ _python_showwarning = warnings.showwarning
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """A ConfigWarning or RunWarning as one ``warning:`` line: its location (pydantic's, the runner's) tells a user
-    nothing."""
-    if issubclass(category, (ConfigWarning, RunWarning)):
+    """A ConfigWarning, RunWarning or DataWarning as one ``warning:`` line: its location (pydantic's, the runner's,
+    the loader's) tells a user nothing."""
+    if issubclass(category, (ConfigWarning, RunWarning, DataWarning)):
         err_console.print(f"[bold yellow]warning:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
     else:
         _python_showwarning(message, category, filename, lineno, file, line)
