@@ -750,7 +750,9 @@ def test_a_config_edited_by_hand_is_refused_on_resume_naming_the_settings_and_th
     edited = saved | {"training": saved["training"] | {"lr": saved["training"]["lr"] * 10},
                       "seeds": [0, 1], "description": "renamed"}
     (run / "config.yaml").write_text(yaml.safe_dump(edited))
-    with pytest.raises(RunError, match=r"config.yaml was edited since the run wrote it: seeds, training.lr differ"
+    lr = saved["training"]["lr"]
+    with pytest.raises(RunError, match=rf"config.yaml was edited since the run wrote it: seeds \(was \[0\], now "
+                                       rf"\[0, 1\]\), training.lr \(was {lr}, now {lr * 10}\) differ"
                                        r".*fednorm run .*run/config.yaml --out NEW_DIR") as err:
         resume_run(run)
     assert "description" not in str(err.value).split("differ")[0]

@@ -622,6 +622,22 @@ def config_fingerprint(config: ExperimentConfig, written_without: Collection[int
     (``training.lr``, ``methods``): recorded in run.json, so a resume tells which settings of config.yaml were
     edited since the run wrote it. ``written_without``: the indices of methods whose config.yaml entry predates
     ``amplitude_init`` (:func:`load_run_config` filled it in), fingerprinted as they were written."""
+    return {name: hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:16]
+            for name, v in _training_settings(config, written_without).items()}
+
+
+def config_values(config: ExperimentConfig, width: int = 80) -> dict[str, str]:
+    """The fingerprinted settings' values as short JSON text (cut at ``width``): recorded beside the fingerprint, so
+    an edit refusal names what a setting was when the run started, not only that it changed."""
+    out = {}
+    for name, v in _training_settings(config).items():
+        text = json.dumps(v, sort_keys=True)
+        out[name] = text if len(text) <= width else text[:width - 3] + "..."
+    return out
+
+
+def _training_settings(config: ExperimentConfig, written_without: Collection[int] = ()) -> dict[str, object]:
+    """Every setting training depends on, by dotted name (sections split one level, methods whole)."""
     out = {}
     dump = config.model_dump(mode="json")
     dump["methods"] = [{k: v for k, v in m.items()
@@ -632,8 +648,13 @@ def config_fingerprint(config: ExperimentConfig, written_without: Collection[int
         for sub, v in items:
             name = f"{key}.{sub}" if sub is not None else key
             if name not in _CONFIG_EDITS_ALLOWED and key not in _CONFIG_EDITS_ALLOWED:
-                out[name] = hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:16]
+                out[name] = v
     return out
+
+
+def _config_record(config: ExperimentConfig) -> dict:
+    """What run.json keeps of the config its checkpoints are trained with: the fingerprint and the values."""
+    return {"config_fingerprint": config_fingerprint(config), "config_values": config_values(config)}
 
 
 RUN_INFO_REMEDY = ("it records the run's data folder, its sessions and the fingerprint of the config its checkpoints "
@@ -731,7 +752,9 @@ def check_config_unchanged(run_dir: Path, config: ExperimentConfig, engine: str 
         restart = f"`fednorm run {path} --out NEW_DIR" + (f" --data-dir {data_dir}`" if data_dir else "`")
         flags = ("a resume itself changes the rounds (--rounds), the device (--device), the data folder (--data-dir) "
                  "and on_divergence (--on-divergence)")
-    raise RunError(f"{path} was edited since the run wrote it: {', '.join(changes[0])} differ(s) from the settings "
+    was, now_values = info.get("config_values") or {}, config_values(config)
+    edits = [f"{k} (was {was[k]}, now {now_values.get(k, '?')})" if k in was else k for k in changes[0]]
+    raise RunError(f"{path} was edited since the run wrote it: {', '.join(edits)} differ(s) from the settings "
                    "its checkpoints were trained with, so going on would give results of neither config. Undo the "
                    f"edit to resume, or start a new run from the edited config: {restart}; {flags}")
 
@@ -746,7 +769,7 @@ def _write_config(run_dir: Path, config: ExperimentConfig) -> None:
     if old and old != new:
         _update_run_info(run_dir, {"config_fingerprint": new, "config_fingerprint_before": old})
     store.write_text(run_dir / store.CONFIG_FILE, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
-    _update_run_info(run_dir, {"config_fingerprint": new}, drop=("config_fingerprint_before",))
+    _update_run_info(run_dir, _config_record(config), drop=("config_fingerprint_before",))
 
 
 def _update_run_info(run_dir: Path, entries: dict, drop: tuple[str, ...] = ()) -> None:
@@ -764,7 +787,7 @@ def _write_run_info(run_dir: Path, data_dir: Path | None, config: ExperimentConf
         **resolved_hardware(config),
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "config_fingerprint": config_fingerprint(config),
+        **_config_record(config),
     })
 
 
@@ -1114,7 +1137,7 @@ def _resume_locked(run_dir: Path, data_dir: str | None, progress: ProgressFn | N
                       "The resume goes on and records them from now on (restore the originals first to have the "
                       "checks)", RunWarning, stacklevel=3)
         if RUN_INFO_FILE in missing:
-            _update_run_info(run_dir, {"config_fingerprint": config_fingerprint(config)})
+            _update_run_info(run_dir, _config_record(config))
     if rounds is not None and rounds != config.federation.rounds:
         config = extend_rounds(run_dir, config, rounds)
     if on_divergence is not None and on_divergence != config.federation.on_divergence:

@@ -540,7 +540,7 @@ def test_a_flower_resume_of_a_run_whose_config_was_edited_by_hand_is_refused(tmp
     edited = config.model_copy(update={"training": config.training.model_copy(update={"lr": 0.5})})
     (tmp_path / "flower" / "config.yaml").write_text(yaml.safe_dump(edited.model_dump(mode="json")))
     # the way on it names is Flower's, not the in-process `fednorm run` / `fednorm resume --rounds`
-    with pytest.raises(RunError, match=r"config.yaml was edited since the run wrote it: training.lr differ.*"
+    with pytest.raises(RunError, match=rf"config.yaml was edited since the run wrote it: training.lr \(was {config.training.lr}, now 0.5\) differ.*"
                                        r"`fednorm flower sim .*flower/config.yaml --out NEW_DIR`") as err:
         run_flower(edited, tmp_path / "flower", None, resume=True)
     assert "--rounds" not in str(err.value) and "fednorm run " not in str(err.value)
