@@ -50,7 +50,7 @@ def rescore_run(run_dir: Path, data_dir: str | None = None, model: str = "final"
         path = store.cell_dir(run_dir, method_cfg.display, seed) / state_file
         try:
             load_cell_state(engine, path, "fednorm rescore", client_state=True)  # each client with its own BN
-        except (store.CorruptFileError, RunError) as exc:
+        except store.CorruptFileError as exc:  # a damaged file; a refusal (a Flower run's file) is not skipped
             if len(cells) == 1:
                 raise
             unreadable.append(f"{method_cfg.display} seed {seed}")
