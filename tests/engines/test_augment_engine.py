@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fednorm.data.domain import ClientData, normalize_batch
-from fednorm.engines.client_step import amplitude_normalizer
+from fednorm.methods.amplitude import amplitude_normalizer
 from fednorm.engines.seeds import augment_generator
 from fednorm.engines.simulation import Federation, InProcessEngine
 from fednorm.methods import LocalTraining, resolve_method

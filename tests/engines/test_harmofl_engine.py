@@ -103,7 +103,7 @@ def test_code_variant_window_and_decay_are_method_options(tiny_clients):
     """amplitude_band (the code's FDA window L) and amplitude_decay (v) replace the code variant's L = 0 and v = 0:
     with L = 0.1 on 28 x 28 images evaluation swaps the frequencies -2..2 along each axis (b = floor(2.8)) and
     keeps the image's own amplitude elsewhere; round 1's running amplitude decays with the given v."""
-    from fednorm.engines.client_step import amplitude_normalizer
+    from fednorm.methods.amplitude import amplitude_normalizer
     from fednorm.methods.amplitude import low_frequency_mask
 
     method = resolve_method("harmofl", amplitude_norm="code", amplitude_band=0.1, amplitude_decay=0.1)

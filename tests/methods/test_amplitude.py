@@ -4,15 +4,23 @@ import torch
 
 from fednorm.data.domain import normalize_batch
 from fednorm.methods.amplitude import (
+    CLIENT_AMPLITUDE,
+    GLOBAL_AMPLITUDE,
     AmplitudeNormalizer,
     AmplitudePrepare,
     amplitude,
+    amplitude_entries,
+    amplitude_normalizer,
     amplitude_phase,
     average_amplitudes,
+    client_amplitude_message,
     low_frequency_mask,
     reconstruct,
     swap_amplitude,
+    update_input_state,
+    without_amplitudes,
 )
+from fednorm.methods.presets import resolve_method
 
 
 def images(n=4, c=3, h=6, w=10, seed=0, dtype=torch.float64):
@@ -302,3 +310,27 @@ def test_unfrozen_global_amplitude_is_the_start_of_eq_3():
     norm.train()(x)
     expected = torch.tensor([[[0.9 * 10 + 0.1 * 20, 9.0], [9.0, 9.0]]])
     torch.testing.assert_close(norm.amplitude, expected)
+
+
+def test_protocol_averages_round_one_amplitudes_once_and_separates_them_from_the_algorithm_message():
+    """Alg. 1 lines 15-17: round 1's client amplitudes are averaged uniformly into the global one; later messages
+    (and a second average) leave it frozen; the client algorithm sees its own entries only."""
+    a, b = torch.rand(3, 8, 8), torch.rand(3, 8, 8)
+    messages = [{CLIENT_AMPLITUDE: a, "c_delta": torch.ones(2)}, {CLIENT_AMPLITUDE: b}, {}]
+    state = update_input_state({}, messages)
+    torch.testing.assert_close(state[GLOBAL_AMPLITUDE], (a + b) / 2)
+    assert update_input_state(state, [{CLIENT_AMPLITUDE: torch.zeros(3, 8, 8)}]) is state  # frozen after round 1
+    assert update_input_state({}, [{"c_delta": torch.ones(2)}]) == {}  # no amplitude sent: nothing to average
+    assert set(without_amplitudes(messages[0])) == {"c_delta"}
+    assert set(amplitude_entries(messages[0])) == {CLIENT_AMPLITUDE}
+
+
+def test_a_client_sends_its_amplitude_only_while_it_is_not_frozen():
+    method = resolve_method("harmofl")
+    running = amplitude_normalizer(method, None).train()
+    running(torch.rand(4, 3, 8, 8))
+    message = client_amplitude_message(running)
+    torch.testing.assert_close(message[CLIENT_AMPLITUDE], running.amplitude)
+    frozen = amplitude_normalizer(method, message[CLIENT_AMPLITUDE])
+    assert frozen.frozen and client_amplitude_message(frozen) == {}
+    assert client_amplitude_message(None) == {}

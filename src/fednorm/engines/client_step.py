@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..data.domain import ClientData, Standardize, normalize_batch
-from ..methods.amplitude import AmplitudeNormalizer, AmplitudePrepare, average_amplitudes
+from ..methods.amplitude import GLOBAL_AMPLITUDE, AmplitudePrepare, amplitude_normalizer, client_amplitude_message
 from ..methods.client_algorithms import ClientAlgorithm, ClientContext
 from ..methods.local_update import LocalResult, LocalTraining, train_locally
 from ..methods.presets import Method
@@ -123,7 +123,7 @@ class ClientRunner:
                 raise ValueError(f"method {self.method.name!r} normalizes image amplitudes, but client {client.name!r} "
                                  f"holds {tuple(client.train.x.shape[1:])} {client.train.x.dtype} inputs, not images; "
                                  "use a method without amplitude_norm for feature vectors")
-            normalizer = amplitude_normalizer(self.method, (input_state or {}).get("amp.global"))
+            normalizer = amplitude_normalizer(self.method, (input_state or {}).get(GLOBAL_AMPLITUDE))
             normalizer.train()
             amplitude_prepare = AmplitudePrepare(normalizer, self.standardize.mean, self.standardize.std)
             prepare = lambda x: self.place(amplitude_prepare(self.standardize.center_crop(x)))  # noqa: E731
@@ -157,9 +157,7 @@ class ClientRunner:
             augment_client_generator=(client_augment_generator(self.seed, client.name)
                                       if training.augment != "none" else None),
         )
-        message = context.scratch.get("message", {})
-        if normalizer is not None and not normalizer.frozen:
-            message = {**message, "amp.client": normalizer.amplitude.detach().clone()}
+        message = {**context.scratch.get("message", {}), **client_amplitude_message(normalizer)}
         if self.persistent_optimizer:
             memory.optimizer_state = optimizer_state
         state = self.model.state_dict()
@@ -175,32 +173,12 @@ class ClientRunner:
 
     def evaluation_prepare(self, input_state: dict[str, torch.Tensor] | None) -> Callable[[torch.Tensor], torch.Tensor]:
         """The input pipeline at evaluation: with amplitude normalization, the global (frozen) amplitude."""
-        amp = (input_state or {}).get("amp.global")
+        amp = (input_state or {}).get(GLOBAL_AMPLITUDE)
         if not self.method.amplitude_norm or amp is None:
             return self.prepare
         normalizer = amplitude_normalizer(self.method, amp).eval()
         amplitude_prepare = AmplitudePrepare(normalizer, self.standardize.mean, self.standardize.std, update=False)
         return lambda x: self.place(amplitude_prepare(self.standardize.center_crop(x)))
-
-
-def amplitude_normalizer(method: Method, global_amplitude: torch.Tensor | None) -> AmplitudeNormalizer:
-    """A client's normalizer under ``method``'s amplitude normalization (:meth:`Method.amplitude_settings`: the
-    variant's window, decay and start, or the method's own): its running amplitude (round 1), or the frozen global
-    one afterwards (same window)."""
-    settings = method.amplitude_settings()
-    if global_amplitude is not None:
-        return AmplitudeNormalizer.from_amplitude(global_amplitude, band_ratio=settings["band_ratio"])
-    return AmplitudeNormalizer(**settings)
-
-
-def update_input_state(input_state: dict[str, torch.Tensor], messages: list[dict[str, torch.Tensor]],
-                       weights: list[float] | None = None) -> dict[str, torch.Tensor]:
-    """HarmoFL's server step for the inputs: the first round's client amplitudes averaged (uniformly, Alg. 1
-    line 17) into the global amplitude, which is then broadcast and frozen (later messages carry none)."""
-    amps = [m["amp.client"] for m in messages if "amp.client" in m]
-    if not amps or "amp.global" in input_state:
-        return input_state
-    return {**input_state, "amp.global": average_amplitudes(amps)}
 
 
 def _with_lr(training: LocalTraining, lr: float) -> LocalTraining:

@@ -23,6 +23,7 @@ from torch import nn
 from ..data.domain import ClientData, Split
 from ..diagnostics.gradients import Dissimilarity, dissimilarity, full_gradient
 from ..methods.aggregation import client_weights
+from ..methods.amplitude import update_input_state, without_amplitudes
 from ..methods.local_update import (LocalResult, LocalTraining, batch_schedule, has_batchnorm, resolve_channels_last,
                                    train_locally)
 from ..methods.policy import keeps_bn_state, local_state_keys
@@ -30,7 +31,7 @@ from ..methods.presets import Method
 from ..methods.external import EXTERNAL_MODES, ExternalBN, bn_state_keys, evaluate_external, fold_bn_statistics_
 from .allocator import reuse_freed_memory
 from .device import to_device
-from .client_step import ClientMemory, ClientRunner, RoundInstructions, update_input_state
+from .client_step import ClientMemory, ClientRunner, RoundInstructions
 from .seeds import augment_generator, client_augment_generator, derive_seed, validation_augment_generator
 from ..methods.augment import BatchAugment
 from ..methods.server import ClientReply, LocalSchedule, ServerUpdate, Threat
@@ -263,7 +264,7 @@ class InProcessEngine:
         else:
             for _ in replies:
                 pass
-        algorithm_messages = [{k: v for k, v in m.items() if not k.startswith("amp.")} for m in messages]
+        algorithm_messages = [without_amplitudes(m) for m in messages]
         self.algorithm_server_state = self.algorithm.update_server_state(
             self.algorithm_server_state, algorithm_messages, len(self.clients))
         self.input_state = update_input_state(self.input_state, messages)

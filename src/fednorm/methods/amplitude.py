@@ -27,7 +27,9 @@ Protocol (paper): in round 1 each client normalizes its batches with its own run
 sends Abar to the server, which averages them (Alg. 1 line 17: uniform mean,
 :func:`average_amplitudes`), broadcasts the result, and every client then *freezes* it
 (:meth:`AmplitudeNormalizer.set_amplitude`): later rounds and inference normalize with the fixed
-global amplitude and never update it. Phases never leave the client.
+global amplitude and never update it. Phases never leave the client. The messages and the server step are
+at the end of this module (:data:`CLIENT_AMPLITUDE`, :data:`GLOBAL_AMPLITUDE`, :func:`update_input_state`), used
+alike by the in-process and the Flower engine.
 
 Where it acts: on float images scaled to [0, 1], *before* fednorm's per-channel mean/std
 standardization (:class:`AmplitudePrepare` wraps :func:`fednorm.data.domain.normalize_batch`'s
@@ -55,10 +57,13 @@ Official-code variants (:meth:`AmplitudeNormalizer.official_code`):
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from .presets import Method
 
 INITS = ("first_batch", "zero")
 DEFAULT_DECAY = 0.1
@@ -343,3 +348,48 @@ class AmplitudePrepare:
         m = torch.tensor(self.mean, dtype=out.dtype, device=out.device).view(1, -1, 1, 1)
         s = torch.tensor(self.std, dtype=out.dtype, device=out.device).view(1, -1, 1, 1)
         return out.sub_(m).div_(s)
+
+
+# --- The federation protocol (Alg. 1 lines 15-17), one place for every engine (in-process, Flower) ---
+# Round 1: each client's message carries its running amplitude under CLIENT_AMPLITUDE; the server averages them once
+# into the input state's GLOBAL_AMPLITUDE, which every later round broadcasts and every client freezes.
+AMPLITUDE_PREFIX = "amp."
+CLIENT_AMPLITUDE = AMPLITUDE_PREFIX + "client"
+GLOBAL_AMPLITUDE = AMPLITUDE_PREFIX + "global"
+
+
+def amplitude_normalizer(method: Method, global_amplitude: torch.Tensor | None) -> AmplitudeNormalizer:
+    """A client's normalizer under ``method``'s amplitude normalization (:meth:`Method.amplitude_settings`: the
+    variant's window, decay and start, or the method's own): its running amplitude (round 1), or the frozen global
+    one afterwards (same window)."""
+    settings = method.amplitude_settings()
+    if global_amplitude is not None:
+        return AmplitudeNormalizer.from_amplitude(global_amplitude, band_ratio=settings["band_ratio"])
+    return AmplitudeNormalizer(**settings)
+
+
+def client_amplitude_message(normalizer: AmplitudeNormalizer | None) -> dict[str, torch.Tensor]:
+    """What a client adds to its message after training: its running amplitude while it is not frozen (round 1)."""
+    if normalizer is None or normalizer.frozen:
+        return {}
+    return {CLIENT_AMPLITUDE: normalizer.amplitude.detach().clone()}
+
+
+def amplitude_entries(message: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A client message's amplitude entries (``amp.*``), which go to the input state."""
+    return {k: v for k, v in message.items() if k.startswith(AMPLITUDE_PREFIX)}
+
+
+def without_amplitudes(message: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A client message without its amplitude entries: the client algorithm's part (SCAFFOLD's, MOON's, ...)."""
+    return {k: v for k, v in message.items() if not k.startswith(AMPLITUDE_PREFIX)}
+
+
+def update_input_state(input_state: dict[str, torch.Tensor], messages: Sequence[Mapping[str, torch.Tensor]]
+                       ) -> dict[str, torch.Tensor]:
+    """HarmoFL's server step for the inputs: the first round's client amplitudes averaged (uniformly, Alg. 1
+    line 17) into the global amplitude, which is then broadcast and frozen (later messages carry none)."""
+    amps = [m[CLIENT_AMPLITUDE] for m in messages if CLIENT_AMPLITUDE in m]
+    if not amps or GLOBAL_AMPLITUDE in input_state:
+        return input_state
+    return {**input_state, GLOBAL_AMPLITUDE: average_amplitudes(amps)}

@@ -36,6 +36,7 @@ from flwr.common.logger import log
 
 from ...data.domain import ClientData, Split
 from ...methods.aggregation import DivergenceError, UpdateError
+from ...methods.amplitude import CLIENT_AMPLITUDE, GLOBAL_AMPLITUDE, amplitude_entries, without_amplitudes
 from ...methods.external import CLIENT_AVERAGE_MODES
 from ...methods.local_update import LocalResult
 from ...methods.server import ClientReply
@@ -488,16 +489,16 @@ class FlowerEngine:
     def _check_message(self, client: str, message: dict[str, torch.Tensor]) -> None:
         """The client algorithm's message must match its server state (SCAFFOLD's control variates)."""
         state = self.core.algorithm_server_state
-        amplitudes = {k: v for k, v in message.items() if k.startswith("amp.")}
-        if self.core.method.amplitude_norm and "amp.global" not in self.core.input_state:
+        amplitudes = amplitude_entries(message)
+        if self.core.method.amplitude_norm and GLOBAL_AMPLITUDE not in self.core.input_state:
             # HarmoFL's first round: every client sends its image amplitude (C x H x W of its images as the model
             # sees them, so after data.center_crop: the client computes it on the cropped batches)
             images = next(c.train.x for c in self.core.clients if c.name == client)
             images = self.core.runner.standardize.center_crop(images[:1])
-            amp = amplitudes.get("amp.client")
-            if amp is None or set(amplitudes) != {"amp.client"}:
+            amp = amplitudes.get(CLIENT_AMPLITUDE)
+            if amp is None or set(amplitudes) != {CLIENT_AMPLITUDE}:
                 raise UpdateError(f"client {client!r} sent amplitude entries {sorted(amplitudes)}, expected "
-                                  "['amp.client'] in HarmoFL's first round")
+                                  f"[{CLIENT_AMPLITUDE!r}] in HarmoFL's first round")
             if tuple(amp.shape) != tuple(images.shape[1:]):
                 raise UpdateError(f"client {client!r} sent an image amplitude of shape {tuple(amp.shape)}, expected "
                                   f"{tuple(images.shape[1:])} (its images' C x H x W, after data.center_crop)")
@@ -507,7 +508,7 @@ class FlowerEngine:
         for k, v in amplitudes.items():
             if not v.is_floating_point() or not torch.isfinite(v).all():
                 raise UpdateError(f"client {client!r} sent an invalid image amplitude {k!r}")
-        message = _algorithm_part(message)
+        message = without_amplitudes(message)
         if not message:
             if state and self.core.algorithm.stateful:
                 raise UpdateError(f"client {client!r} sent no client-algorithm message")
@@ -772,8 +773,3 @@ def _flwr_version() -> str:
     from importlib.metadata import version
 
     return version("flwr")
-
-
-def _algorithm_part(message: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A client's message without HarmoFL's image amplitude (``amp.*``), which goes to the input state."""
-    return {k: v for k, v in message.items() if not k.startswith("amp.")}
