@@ -217,6 +217,10 @@ def test_report_names_unfinished_cells_and_survives_a_damaged_config(tmp_path):
     assert "1 of its 2 cells have not finished (fedbn seed 0); finish them: `fednorm resume" in " ".join(partial.output.split())
     with run_lock(out):  # a process running the folder now: a resume would be refused, so none is advised
         going = runner.invoke(app, ["report", str(out), "--markdown"], terminal_width=400)
+        busy = runner.invoke(app, ["resume", str(out), "--quiet"], terminal_width=400)
+    busy_text = " ".join(busy.output.split())
+    assert busy.exit_code == 2 and f"is being run by process {os.getpid()} on " in busy_text
+    assert "once fixed" not in busy_text  # nothing to fix: wait for the other process
     going_text = " ".join(going.output.split())
     assert going.exit_code == 0 and f"(fedbn seed 0); process {os.getpid()} on " in going_text
     assert "is running it now" in going_text and "fednorm resume" not in going_text

@@ -24,7 +24,7 @@ from ..runs.config import (ON_DIVERGENCE, ConfigError, ConfigWarning, apply_over
                            validate)
 from ..runs.store import CorruptFileError
 from ..runs.report import ResultsTable, build_table, collect_runs, no_finished_cell, read_summaries
-from ..runs.runner import (RunError, RunWarning, load_run_config, resolved_hardware, resume_run, start_run,
+from ..runs.runner import (RunBusy, RunError, RunWarning, load_run_config, resolved_hardware, resume_run, start_run,
                            unfinished_cells, with_device)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -62,7 +62,8 @@ def _cli() -> None:
 def _fail(exc: Exception, run_dir: Path | None = None) -> None:
     # the message is plain text: escaped, so that a "[global]" in it is printed, not read as a style tag
     err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True, markup=True)
-    if run_dir is not None and (run_dir / "config.yaml").exists():
+    if run_dir is not None and (run_dir / "config.yaml").exists() and not isinstance(exc, RunBusy):
+        # (RunBusy: the folder is another process's now; its message says to wait, there is nothing to fix)
         if isinstance(exc, DivergenceError):
             # resume goes on with the run's own config: the same settings diverge again at the same round
             err_console.print(

@@ -60,6 +60,10 @@ class RunError(RuntimeError):
     """A run folder cannot be created or resumed; the message says why and what to do."""
 
 
+class RunBusy(RunError):
+    """Another process is running the folder now (:func:`run_lock`): wait for it, nothing is to be fixed."""
+
+
 class RunWarning(UserWarning):
     """Something about a run folder a user should know while it goes on (the CLI prints it as one line)."""
 
@@ -878,8 +882,8 @@ def run_lock(run_dir: Path):
         fh.seek(0)
         holder = fh.read().strip() or "another process"
         fh.close()
-        raise RunError(f"{run_dir} is being run by {holder}; wait for it to end (or stop it) before resuming "
-                       "this folder") from None
+        raise RunBusy(f"{run_dir} is being run by {holder}; wait for it to end (or stop it) before resuming "
+                      "this folder") from None
     except OSError as exc:  # a filesystem without locks (NFS without lockd, some FUSE mounts): run unlocked
         warnings.warn(f"{run_dir}: cannot lock the run folder ({exc}); nothing stops a second process from "
                       "resuming it at the same time", RunWarning, stacklevel=3)
