@@ -45,8 +45,9 @@ for cell in $CELLS; do
       echo "$(date -u +%FT%TZ) start $name"
       overrides=$(setting_overrides "$setting") || exit 1
       SHORT=0 NAME="$name" ONLY="$m" \
-        EXTRA="$overrides --set seeds=[$seed] --set training.precision=fp32" bash benchmarks/fbn.sh \
-        || echo "$(date -u +%FT%TZ) $name stopped with exit code $?"
+        EXTRA="$overrides --set seeds=[$seed] --set training.precision=fp32" bash benchmarks/fbn.sh
+      rc=$?  # (a refused resume, e.g. a folder another process runs: the next cell)
+      [ "$rc" = 0 ] || echo "$(date -u +%FT%TZ) $name stopped with exit code $rc"
     fi
     exec {claim}>&-
   done
