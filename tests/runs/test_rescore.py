@@ -4,6 +4,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 
 from fednorm.runs import store
 from fednorm.runs.rescore import RESULT_FILE, TABLE_FILE, markdown_table, rescore_run
@@ -60,11 +61,18 @@ def test_one_unreadable_checkpoint_costs_its_cell_only(tmp_path):
     run = tmp_path / "run"
     start_run(tiny_config("methods=[fedbn, silobn]", "federation.rounds=1", "federation.eval_every=1"), run)
     whole = {row["method"]: row for row in rescore_run(run)}
-    (run / "silobn" / "seed0" / store.CHECKPOINT_FILE).write_bytes(b"cut off")
+    silobn_file = run / "silobn" / "seed0" / store.CHECKPOINT_FILE
+    state = store.load_checkpoint(silobn_file)
+    silobn_file.write_bytes(b"cut off")
     with pytest.warns(RunWarning, match=r"skipped silobn seed 0: .*checkpoint.*unreadable"):
         rows = rescore_run(run)
     assert [row["method"] for row in rows] == ["fedbn"] and rows[0] == whole["fedbn"]
     assert json.loads((run / RESULT_FILE).read_text()) == rows
+    # a checkpoint of another version of the model (one entry more) costs its cell only too
+    extra = {**state["global_state"], "extra.weight": torch.ones(1)}
+    store.save_checkpoint(silobn_file, {**state, "global_state": extra})
+    with pytest.warns(RunWarning, match=r"skipped silobn seed 0: .*does not match the model.*extra.weight"):
+        assert rescore_run(run) == rows
     (run / "fedbn" / "seed0" / store.CHECKPOINT_FILE).write_bytes(b"cut off")
     with pytest.warns(RunWarning), pytest.raises(RunError, match=r"no checkpoint.pt could be read \(fedbn seed 0, "
                                                                  r"silobn seed 0;"):

@@ -49,7 +49,11 @@ def rescore_run(run_dir: Path, data_dir: str | None = None, model: str = "final"
         engine = build_engine(config, method_cfg, seed, clients)
         path = store.cell_dir(run_dir, method_cfg.display, seed) / state_file
         try:
-            load_cell_state(engine, path, "fednorm rescore", client_state=True)  # each client with its own BN
+            try:
+                load_cell_state(engine, path, "fednorm rescore", client_state=True)  # each client with its own BN
+            except ValueError as exc:  # the engine's: entries or shapes other than the run's model has
+                raise store.CorruptFileError(f"{path}: {exc} (the file does not fit the run's model: train the cell "
+                                             "again to score it)") from exc
         except store.CorruptFileError as exc:  # a damaged file; a refusal (a Flower run's file) is not skipped
             if len(cells) == 1:
                 raise
