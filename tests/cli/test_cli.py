@@ -221,6 +221,7 @@ def test_report_names_unfinished_cells_and_survives_a_damaged_config(tmp_path):
     busy_text = " ".join(busy.output.split())
     assert busy.exit_code == 2 and f"is being run by process {os.getpid()} on " in busy_text
     assert "once fixed" not in busy_text  # nothing to fix: wait for the other process
+    assert "training on" not in busy_text  # refused before it says how it would train
     going_text = " ".join(going.output.split())
     assert going.exit_code == 0 and f"(fedbn seed 0); process {os.getpid()} on " in going_text
     assert "is running it now" in going_text and "fednorm resume" not in going_text
@@ -607,7 +608,7 @@ def test_report_skips_summary_files_fednorm_did_not_write_and_names_a_damaged_ce
     other.write_text("{}")
     result = runner.invoke(app, ["report", str(tmp_path / "project"), "--markdown"], terminal_width=400)
     assert result.exit_code == 0, result.output
-    assert "fedavg" in result.output and f"skipped 1 summary.json file(s) that fednorm did not write" in result.output
+    assert "fedavg" in result.output and "skipped 1 summary.json file(s) that fednorm did not write" in result.output
     alone = runner.invoke(app, ["report", str(other.parent)], terminal_width=400)
     assert alone.exit_code == 2 and "holds no run" in alone.output and "Traceback" not in alone.output
     (out / "fedavg" / "seed0" / "summary.json").write_text('{"note": "overwritten"}')

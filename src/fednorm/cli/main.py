@@ -24,8 +24,8 @@ from ..runs.config import (ON_DIVERGENCE, ConfigError, ConfigWarning, apply_over
                            validate)
 from ..runs.store import CorruptFileError
 from ..runs.report import ResultsTable, build_table, collect_runs, no_finished_cell, read_summaries
-from ..runs.runner import (RunBusy, RunError, RunWarning, load_run_config, resolved_hardware, resume_run, start_run,
-                           unfinished_cells, with_device)
+from ..runs.runner import (RunBusy, RunError, RunWarning, busy_error, load_run_config, resolved_hardware, resume_run,
+                           run_holder, start_run, unfinished_cells, with_device)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -130,11 +130,22 @@ def _hardware_line(config) -> str:
     return f"training on {where}, {hw['precision']}, {'channels_last' if hw['channels_last'] else 'NCHW'}"
 
 
-def _finish(run_dir: Path, results, config) -> None:
+def _print_run_table(config, summaries, engine: str = "") -> None:
+    """A run's per-client table with the paper's numbers for its setting beside ours."""
     paper, paper_source = config.paper_for_setting()
-    table = build_table([r.summary for r in results], paper=paper, paper_source=paper_source)
-    _print_table(table, f"{config.name}: test {table.score_label} (%) after round {config.federation.rounds}, "
+    table = build_table(summaries, paper=paper, paper_source=paper_source)
+    _print_table(table, f"{config.name}{engine}: test {table.score_label} (%) after round {config.federation.rounds}, "
                         "mean (population std) over seeds")
+
+
+def _train(run_dir: Path, config, rounds: int, quiet: bool, train) -> None:
+    """``train(progress)`` (a start or a resume) under a progress bar over every round of every cell, then the
+    run's table: what `run` and `resume` share. The table's config is the folder's own (a resume with --rounds
+    has just rewritten it)."""
+    progress = _Progress(rounds * len(config.methods) * len(config.seeds), quiet)
+    with progress.bar:
+        results = train(progress)
+    _print_run_table(load_run_config(run_dir), [r.summary for r in results])
     console.print(f"run folder: {run_dir}  (results.md, comparison.png, <method>/seed<k>/metrics.jsonl)")
 
 
@@ -155,14 +166,12 @@ def run(
         if set_:  # the description is the preset's: say what this run changed (data.domains, rounds, ...)
             console.print(f"changed here: {', '.join(set_)}", highlight=False, markup=False)
         console.print(f"[dim]{_hardware_line(cfg)}; run folder {run_dir}[/]", highlight=False)
-        progress = _Progress(cfg.federation.rounds * len(cfg.methods) * len(cfg.seeds), quiet)
-        with progress.bar:
-            results = start_run(cfg, run_dir, data_dir=data_dir, progress=progress)
+        _train(run_dir, cfg, cfg.federation.rounds, quiet,
+               lambda progress: start_run(cfg, run_dir, data_dir=data_dir, progress=progress))
     except _RUN_ERRORS as exc:
         _fail(exc, run_dir)
     except KeyboardInterrupt:
         _interrupted(run_dir)
-    _finish(run_dir, results, cfg)
 
 
 @app.command()
@@ -184,23 +193,22 @@ def resume(
     --device: to float rounding). With --rounds, also a finished run, to more rounds."""
     try:
         cfg = with_device(load_run_config(run_dir), device)
+        holder = run_holder(run_dir)
+        if holder is not None:  # refused before anything is printed about training (run_lock refuses it again)
+            raise busy_error(run_dir, holder)
         if (rounds is None or rounds == cfg.federation.rounds) and not unfinished_cells(run_dir, cfg):
             console.print(f"every cell of {run_dir} finished earlier ({len(cfg.methods) * len(cfg.seeds)} cells, "
                           f"{cfg.federation.rounds} rounds): nothing to train (--rounds N extends it to N rounds); "
                           "its table:", highlight=False)
         else:
             console.print(f"[dim]{_hardware_line(cfg)}[/]", highlight=False)
-        total = rounds or cfg.federation.rounds
-        progress = _Progress(total * len(cfg.methods) * len(cfg.seeds), quiet)
-        with progress.bar:
-            results = resume_run(run_dir, data_dir=data_dir, progress=progress, device=device, rounds=rounds,
-                                 on_divergence=on_divergence)
-        cfg = load_run_config(run_dir)
+        _train(run_dir, cfg, rounds or cfg.federation.rounds, quiet,
+               lambda progress: resume_run(run_dir, data_dir=data_dir, progress=progress, device=device,
+                                           rounds=rounds, on_divergence=on_divergence))
     except _RUN_ERRORS as exc:
         _fail(exc, run_dir)
     except KeyboardInterrupt:
         _interrupted(run_dir)
-    _finish(run_dir, results, cfg)
 
 
 @app.command()
@@ -508,10 +516,7 @@ def _flower_options(round_timeout: float, node_wait: float):
 def _flower_finish(run_dir: Path, cfg) -> None:
     summaries = read_summaries(run_dir)
     if summaries:
-        paper, paper_source = cfg.paper_for_setting()
-        table = build_table(summaries, paper=paper, paper_source=paper_source)
-        _print_table(table, f"{cfg.name} on Flower: test {table.score_label} (%) after round {cfg.federation.rounds}, "
-                            "mean (population std) over seeds")
+        _print_run_table(cfg, summaries, engine=" on Flower")
     console.print(f"run folder: {run_dir}  (results.md, <method>/seed<k>/metrics.jsonl, participation.jsonl)",
                   highlight=False)
 

@@ -882,8 +882,7 @@ def run_lock(run_dir: Path):
         fh.seek(0)
         holder = fh.read().strip() or "another process"
         fh.close()
-        raise RunBusy(f"{run_dir} is being run by {holder}; wait for it to end (or stop it) before resuming "
-                      "this folder") from None
+        raise busy_error(run_dir, holder) from None
     except OSError as exc:  # a filesystem without locks (NFS without lockd, some FUSE mounts): run unlocked
         warnings.warn(f"{run_dir}: cannot lock the run folder ({exc}); nothing stops a second process from "
                       "resuming it at the same time", RunWarning, stacklevel=3)
@@ -899,6 +898,11 @@ def run_lock(run_dir: Path):
         except OSError:
             pass
         fh.close()
+
+
+def busy_error(run_dir: Path, holder: str) -> RunBusy:
+    """The refusal of a folder that ``holder`` (:func:`run_holder`) runs now."""
+    return RunBusy(f"{run_dir} is being run by {holder}; wait for it to end (or stop it) before resuming this folder")
 
 
 def run_holder(run_dir: Path) -> str | None:
