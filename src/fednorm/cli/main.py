@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import enum
 import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Optional
 
-import click
 import typer
 from rich.console import Console
 from rich.measure import Measurement
@@ -28,6 +28,11 @@ from ..runs.runner import (RunBusy, RunError, RunWarning, busy_error, load_run_c
                            run_holder, start_run, unfinished_cells, with_device)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+
+# Choices as Enums: typer reads them the same in every version (its `click_type=click.Choice(...)` is gone in
+# typer 0.29, which a fresh `pip install -e .` picks without Flower's cap)
+OnDivergenceChoice = enum.Enum("OnDivergenceChoice", {v: v for v in ON_DIVERGENCE}, type=str)
+AvgStdChoice = enum.Enum("AvgStdChoice", {v: v for v in ("seeds", "clients")}, type=str)
 
 # not a terminal (a pipe, a log file, CI): wide enough that result tables never wrap
 console = Console() if sys.stdout.isatty() else Console(width=200)
@@ -184,7 +189,7 @@ def resume(
     rounds: Optional[int] = typer.Option(None, "--rounds", min=1, help="extend the run to this many rounds: "
                                          "finished cells go on from their last checkpoint (a shortened run "
                                          "grows towards the paper's protocol)"),
-    on_divergence: Optional[str] = typer.Option(None, "--on-divergence", click_type=click.Choice(ON_DIVERGENCE),
+    on_divergence: Optional[OnDivergenceChoice] = typer.Option(None, "--on-divergence",
                                                 help="stop or record: what a NaN/inf "
                                                 "loss, update or evaluation loss does from here on (record: a run stopped by a diverged cell "
                                                 "marks it diverged and goes on with the next cells)"),
@@ -204,7 +209,8 @@ def resume(
             console.print(f"[dim]{_hardware_line(cfg)}[/]", highlight=False)
         _train(run_dir, cfg, rounds or cfg.federation.rounds, quiet,
                lambda progress: resume_run(run_dir, data_dir=data_dir, progress=progress, device=device,
-                                           rounds=rounds, on_divergence=on_divergence))
+                                           rounds=rounds,
+                                           on_divergence=on_divergence.value if on_divergence else None))
     except _RUN_ERRORS as exc:
         _fail(exc, run_dir)
     except KeyboardInterrupt:
@@ -221,9 +227,9 @@ def report(
     markdown: bool = typer.Option(False, "--markdown", help="print a markdown table"),
     sample_std: bool = typer.Option(False, "--sample-std", help="std over seeds with ddof 1 (sample) instead of "
                                     "the population std (ddof 0, numpy's default)"),
-    avg_std: str = typer.Option("seeds", "--avg-std", help="the Avg column's std: over seeds (of the per-seed means "
+    avg_std: AvgStdChoice = typer.Option(AvgStdChoice.seeds, "--avg-std", help="the Avg column's std: over seeds (of the per-seed means "
                                 "over clients), or across clients (sample std of the clients' means over seeds, "
-                                "HarmoFL's Tables 1-2)", click_type=click.Choice(["seeds", "clients"])),
+                                "HarmoFL's Tables 1-2)"),
     split_by: Optional[str] = typer.Option(None, "--split-by", help="a config key (e.g. federation.channels_last): "
                                            "one row per method and value of that key, to compare runs that differ "
                                            "in it (otherwise a (method, seed) found twice counts once)"),
@@ -241,7 +247,7 @@ def report(
         found.notes.append(f"skipped {no_finished_cell(d)}")
     metric = "selected_acc" if selected else "best_mean_acc" if best else "final_acc"
     table = build_table(found.summaries, paper=found.paper or None, metric=metric,
-                        paper_source="; ".join(found.paper_sources) or None, ddof=int(sample_std), avg_std=avg_std)
+                        paper_source="; ".join(found.paper_sources) or None, ddof=int(sample_std), avg_std=avg_std.value)
     if table.lacking:
         cells = ", ".join(f"{m} seed {seed}" for m, seed in table.lacking[:6]) + (", ..." if len(table.lacking) > 6
                                                                                    else "")
