@@ -156,6 +156,41 @@ def test_a_one_value_last_batch_keeps_the_tracked_statistics():
     torch.testing.assert_close(after[1].running_var, v)
 
 
+def test_at_test_batch_size_one_a_batchnorm1d_keeps_the_models_statistics_while_bn2d_adapts():
+    """Test batch size 1: the BN2d layer (4 values per channel) follows Eq. 4 from the first sample on; the
+    BatchNorm1d after it sees one value per channel in every batch, so it never gets a variance and normalizes with
+    the model's statistics (not with (x, 0) set by the first sample, which would divide by sqrt(eps))."""
+    model = bn_model()
+    model.insert(2, nn.BatchNorm1d(8))
+    with torch.no_grad():
+        model[2].running_mean.uniform_(-1, 1)
+        model[2].running_var.uniform_(0.5, 2)
+    split = data(5)
+    batches = batch_order(5, 1)
+    tracked = hand_ema(model, split, batches, tau=0.9)
+    net = reestimate_bn_statistics(model, split, prepare, ExternalBN(batch_size=1, momentum=0.9))
+    torch.testing.assert_close(net[2].running_mean, model[2].running_mean)
+    torch.testing.assert_close(net[2].running_var, model[2].running_var)
+    torch.testing.assert_close(net[0].running_mean, tracked[-1][0])
+    torch.testing.assert_close(net[0].running_var, tracked[-1][1])
+    bn1d = model[2]
+    with torch.no_grad():
+        pairs = []
+        for index, (m, v) in zip(batches, tracked):
+            x = prepare(split.x[index])
+            h = (x - m.view(1, -1, 1, 1)) / torch.sqrt(v.view(1, -1, 1, 1) + model[0].eps) \
+                * model[0].weight.view(1, -1, 1, 1) + model[0].bias.view(1, -1, 1, 1)
+            h = F.batch_norm(h.flatten(1), bn1d.running_mean, bn1d.running_var, bn1d.weight, bn1d.bias,
+                             training=False, eps=bn1d.eps)
+            pairs.append((model[3](h), split.y[index]))
+    result = evaluate_test_time_bn(model, split, prepare, ExternalBN(batch_size=1, momentum=0.9))
+    assert result.loss == pytest.approx(metrics(pairs)[1], rel=1e-5)
+    # population statistics pool the values of all batches: one sample so far gives no variance either
+    net = reestimate_bn_statistics(model, data(1), prepare, ExternalBN(batch_size=1, momentum=None))
+    torch.testing.assert_close(net[2].running_var, model[2].running_var)
+    assert not torch.equal(net[0].running_var, model[0].running_var)
+
+
 def test_population_statistics_are_the_mean_and_variance_of_all_the_data():
     model, split = bn_model(), data(10)
     net = reestimate_bn_statistics(model, split, prepare, ExternalBN(batch_size=3, momentum=None))

@@ -37,7 +37,10 @@ Conventions, named because the paper's symbols were lost:
 - variance: biased (mean of squared deviations over samples and positions), what BN normalizes with in
   training; ``unbiased=True`` for the n/(n-1) version.
 - order: data order by default; ``shuffle_seed`` draws a seeded permutation (UniFed Fig. 6(c) studies orders).
-  Batches of ``batch_size``, the last one possibly smaller (kept: every sample is predicted).
+  Batches of ``batch_size``, the last one possibly smaller (kept: every sample is predicted). A batch that gives a
+  layer one value per channel (one sample before a BatchNorm1d) has no variance and is not folded into that layer's
+  statistics: at test batch size 1 a BatchNorm1d layer keeps the model's statistics while convolutional BN layers,
+  with H x W values per channel, adapt.
 - prediction: ``predict="online"`` (default, UniFed Alg. 1 as reconstructed: "for each incoming test batch:
   update the statistics, normalize with them, output predictions for the batch"), or ``"after_pass"``: one pass
   over all batches to estimate, then a second pass predicting every batch with the final statistics.
@@ -176,15 +179,20 @@ class _StatisticsTracker:
             self.sum = s if self.sum is None else self.sum + s
             self.sum_sq = sq if self.sum_sq is None else self.sum_sq + sq
             self.count += k
+            if self.count < 2:  # one value so far has no variance: the layer keeps its own statistics
+                return
             mean = self.sum / self.count
             var = (self.sum_sq / self.count - mean * mean).clamp_min(0)
             if self.unbiased and self.count > 1:
                 var = var * self.count / (self.count - 1)
         else:
-            if k < 2 and not self.first:
-                # a one-value batch (a last batch of 1 sample before a BatchNorm1d) has no variance: it would set
-                # the statistics to (x, 0) at momentum 0, normalizing by sqrt(eps); it keeps the tracked ones
-                # (UniFed extraction pitfall 3: "the last partial batch can be tiny - handle it")
+            if k < 2:
+                # a one-value batch (a last batch of 1 sample, or test batch size 1, before a BatchNorm1d) has no
+                # variance: folded in it would set the statistics to (x, 0) at momentum 0 (normalizing by
+                # sqrt(eps)), and, as the first batch, to (x, 0) for good; the layer keeps the statistics it has
+                # (the tracked ones; before any batch of two values, the model's own) and the next batch of two
+                # or more values is still the first (UniFed extraction pitfall 3: "the last partial batch can be
+                # tiny - handle it")
                 return
             xf = x.float()
             mean = xf.mean(dims)

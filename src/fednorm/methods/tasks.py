@@ -133,7 +133,10 @@ class Task:
         return float(self.per_image_dice(logits, y).sum()), float(self.loss(logits, y)) * len(y)
 
     def per_image_dice(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Hard Dice of each image (``N``), averaged over the classes ``dice_background`` selects."""
+        """Hard Dice of each image (``N``), averaged over the classes ``dice_background`` selects. A split's score
+        is the mean over its images; the official HarmoFL ``test()`` averages per-batch means
+        (``test_acc / len(loader)``), which weighs a partial last batch's images more: the two agree when the
+        split size is a multiple of the evaluation batch size."""
         if self.dice_background == "code":
             table = dice_score(logits, y, background="include", empty=0.0, eps=DICE_SMOOTH, reduction="none")
         else:
