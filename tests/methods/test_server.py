@@ -246,6 +246,32 @@ def test_robust_fbn_with_unequal_batch_counts_uses_the_mean_count_in_its_unbiasi
                                + 150 / (149 * 0.1) * median((torch.stack(means) - m) ** 2))
 
 
+@pytest.mark.parametrize("counts", [[6, 6], [4, 9]])
+def test_fbn_with_a_reply_left_out_is_centralized_bn_on_the_batches_that_arrived(counts):
+    """Three clients trained (each unbiased its batch with n = 3 in Kn/(Kn-1)); the server, told the round had 3
+    participants, aggregates the 2 replies that arrived: its running statistics equal a centralized BatchNorm's
+    on the union of those 2 batches (float64, to 1e-10), for equal and unequal batch sizes."""
+    from fednorm.methods.fbn_stats import client_running_stats
+
+    beta, g = 0.3, torch.Generator().manual_seed(5)
+    shared = {"bn.running_mean": torch.randn(2, generator=g, dtype=D), "bn.running_var": 1 + torch.rand(2, generator=g, dtype=D),
+              "bn.weight": torch.ones(2, dtype=D)}
+    batches = [torch.randn(k, 2, generator=g, dtype=D) * (1 + i) + 3 * i for i, k in enumerate([*counts, 5])]
+    server = ServerUpdate(ServerSpec(), shared, param_keys={"bn.weight"}, fbn_layers={"bn": beta})
+    server.begin(shared, participants=3)
+    for i, x in enumerate(batches[:2]):  # the third client's reply never arrives
+        m, v = client_running_stats(x, shared["bn.running_mean"], shared["bn.running_var"], beta, 3)
+        server.add(ClientReply(f"c{i}", {"bn.running_mean": m, "bn.running_var": v, "bn.weight": shared["bn.weight"]},
+                               0.5, 1, {"bn": x.shape[0]}))
+    new = server.finish()
+    central = torch.nn.BatchNorm1d(2, momentum=beta, dtype=D).train()
+    central.running_mean.copy_(shared["bn.running_mean"])
+    central.running_var.copy_(shared["bn.running_var"])
+    central(torch.cat(batches[:2]))
+    torch.testing.assert_close(new["bn.running_mean"], central.running_mean, rtol=0, atol=1e-10)
+    torch.testing.assert_close(new["bn.running_var"], central.running_var, rtol=0, atol=1e-10)
+
+
 def test_sign_flip_on_statistics_flips_the_mean_only_and_median_resists():
     means = [torch.tensor([1.0, 2.0], dtype=D) + 0.1 * i for i in range(10)]
     vars_ = [torch.tensor([1.0, 3.0], dtype=D)] * 10

@@ -246,17 +246,19 @@ class InProcessEngine:
             seed=derive_seed(self.federation.seed, r, self._index[client.name], _CLIENT_STREAM)))
             for client, weight in zip(participants, weights)]
 
-    def aggregate(self, replies: Iterable[ClientReply], messages: list[dict[str, torch.Tensor]]) -> None:
+    def aggregate(self, replies: Iterable[ClientReply], messages: list[dict[str, torch.Tensor]],
+                  participants: int | None = None) -> None:
         """The server side of a round, for every engine: fold the clients' replies into the global state with
         the method's server update, then update the client algorithm's server state and HarmoFL's input state
         from the clients' ``messages``. ``replies`` may be a generator (in-process: each client trains when the
-        server is ready to fold its reply in, so one reply is held at a time); ``messages`` is read after it."""
+        server is ready to fold its reply in, so one reply is held at a time); ``messages`` is read after it.
+        ``participants``: how many clients the round sent out, when some of their replies were left out (Flower)."""
         if self.shared_keys:
             # FixBN's phase 2: every client sends back the frozen statistics unchanged, and averaging identical
             # copies can still move them by float rounding (one ulp, seen with AVX-512 kernels): keep them as frozen
             frozen = ({k: self.global_state[k].clone() for k in self.frozen_stat_keys}
                       if self.freeze_round is not None and self.round >= self.freeze_round else {})
-            self.server.begin(self.global_state, lr=self.training.lr_at(self.round))
+            self.server.begin(self.global_state, lr=self.training.lr_at(self.round), participants=participants)
             for reply in replies:
                 self.server.add(reply)
             self.global_state.update(self.server.finish())

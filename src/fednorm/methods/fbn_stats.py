@@ -98,7 +98,8 @@ def aggregate_naive(means: Tensor, vars: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def aggregate_fbn_weighted(means: Tensor, vars: Tensor, beta: float, counts: Sequence[int],
-                           previous_var: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                           previous_var: Tensor | None = None,
+                           num_clients: int | None = None) -> tuple[Tensor, Tensor]:
     """(RM)/(RV) for clients whose batches hold different numbers of values per channel ``counts`` (K_i).
 
     Weights w_i = K_i / N (N = sum K_i): m = sum w_i m_i (exact). The paper assumes equal K "for
@@ -109,7 +110,10 @@ def aggregate_fbn_weighted(means: Tensor, vars: Tensor, beta: float, counts: Seq
         v+ = (1-beta) v + N/(N-1) [ sum w_i (v_i - (1-beta) v) / f_i + sum w_i (m_i - m)^2 / beta ]
 
     which equals centralized BN's running variance on the union batch exactly (one local step per round,
-    as (RV) itself), and reduces to :func:`aggregate_fbn` for equal counts. Without ``previous_var``:
+    as (RV) itself), and reduces to :func:`aggregate_fbn` for equal counts. ``num_clients`` is the n the clients
+    unbiased with when it is not the number of rows: a client that trained but whose reply the server left out (a
+    Flower node's dropped or invalid reply) makes the rows fewer; with it, v+ is still centralized BN's on the
+    union of the batches that arrived (N = the sum of their counts). Without ``previous_var``:
     v = sum w_i v_i + N/((N-1) beta) sum w_i (m_i - m)^2 (extraction pitfall 4), close to but not
     exactly centralized BN when the counts differ.
     """
@@ -126,7 +130,7 @@ def aggregate_fbn_weighted(means: Tensor, vars: Tensor, beta: float, counts: Seq
     if previous_var is None:
         v = (w * vars).sum(dim=0) + total / ((total - 1) * beta) * between
         return m, v.clamp(min=0)
-    n = means.shape[0]
+    n = means.shape[0] if num_clients is None else num_clients
     if (k * n < 2).any():
         raise ValueError(f"every client needs K_i n >= 2 values per channel, got counts {list(counts)} with n = {n}")
     f = (k * n / (k * n - 1)).reshape(shape)

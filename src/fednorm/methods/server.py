@@ -189,11 +189,14 @@ class ServerUpdate:
         self.collecting = spec.robust or threat.active
         self.optimizer_state: dict[str, dict[str, Tensor]] = {}
         self._global: dict[str, Tensor] = {}
+        self._participants: int | None = None
 
     # ------------------------------------------------------------------ round protocol
-    def begin(self, global_state: dict[str, Tensor], lr: float | None = None) -> None:
+    def begin(self, global_state: dict[str, Tensor], lr: float | None = None, participants: int | None = None) -> None:
         """Start a round from ``global_state``; ``lr`` is the clients' learning rate this round (a decaying
-        schedule), which FedNova's ||a_k||_1 under FedProx depends on."""
+        schedule), which FedNova's ||a_k||_1 under FedProx depends on; ``participants`` the number of clients the
+        round sent out (the n in the FBN clients' Kn/(Kn-1)), when some replies may not be aggregated."""
+        self._participants = participants
         if lr is not None and lr != self.schedule.lr:
             self.schedule = replace(self.schedule, lr=lr)
         self._global = {k: global_state[k] for k in self.keys}
@@ -286,7 +289,10 @@ class ServerUpdate:
 
     def _fbn(self, prefix: str, means: Tensor, vars_: Tensor, beta: float, counts: list[int],
              aggregator) -> tuple[Tensor, Tensor]:
-        if len(set(counts)) == 1:
+        # the clients unbiased with the n of the round's participants: fewer rows (a reply left out after its client
+        # trained) take the exact path below, which takes each client's own factor back out
+        short = aggregator is None and self._participants not in (None, len(counts))
+        if len(set(counts)) == 1 and not short:
             return aggregate_fbn(means, vars_, beta, counts[0], aggregator)
         if aggregator is not None:
             # unequal K under a robust rule: the robust formula with the mean K (no exact form exists)
@@ -295,7 +301,8 @@ class ServerUpdate:
         # (one step per round, DSGD; after several local steps the counts are each client's last batch and the
         # undoing assumes a single EMA step from ``previous``: an approximation, see models/fbn.py)
         previous = self._global[f"{prefix}.running_var"].to(torch.float64)
-        return aggregate_fbn_weighted(means, vars_, beta, counts, previous_var=previous)
+        return aggregate_fbn_weighted(means, vars_, beta, counts, previous_var=previous,
+                                      num_clients=self._participants)
 
     def _server_optimizer_step(self, new: dict[str, Tensor]) -> None:
         s, rule = self.spec, self.spec.rule

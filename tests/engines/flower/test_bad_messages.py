@@ -417,3 +417,43 @@ def test_a_node_gets_one_message_per_wave_and_none_after_it_went_silent():
     assert grid.waves == [[1, 2], [1]]
     assert set(out) == {"a", "b"}
     assert set(unanswered) == {"c", "d"} and unanswered["c"] and unanswered["d"] == ""  # d was never sent
+
+
+def test_fbn_statistics_of_a_round_with_a_reply_left_out_count_every_participant(tmp_path):
+    """FBN clients unbias their batch with the n of the round (3 here). With one reply left out, the server
+    aggregates the other 2 as replies of a 3-client round (the exact path of
+    tests/methods/test_server.py::test_fbn_with_a_reply_left_out_is_centralized_bn_on_the_batches_that_arrived),
+    not as a 2-client round, whose (RV) would keep the clients' 3-client factor."""
+    config = tiny_config("data.domains=[rendered/print]", "data.partition=gamma", "data.num_clients=3",
+                         "methods=[fbn]", "training.steps=1", "federation.weighting=uniform",
+                         "federation.rounds=1", "federation.eval_every=1")
+    kept: dict = {}
+
+    def tamper(node_id, msg, reply):
+        if msg.metadata.group_id == "train-0":
+            if node_id == 101:
+                return edit_state(lambda s: s[first_conv(s)].view(-1).__setitem__(0, float("nan")))(reply)
+            kept[node_id] = m.decode_reply(reply.content, reply.content[m.CELL]["client"], 0.5)[0]
+        return reply
+
+    grid, cell = run_fake(tmp_path, config, tamper, nodes=[{"client-index": i} for i in range(3)])
+    assert [r["clients_used"] for r in participation(cell)] == [2]
+    final = torch.load(cell / "checkpoint.pt", weights_only=False)["global_state"]
+    replies = list(kept.values())
+    shared = {k: v for k, v in replies[0].state.items()}  # keys and dtypes of the shared state
+    start = {k: (torch.zeros_like(v) if k.endswith("running_mean") else torch.ones_like(v)
+                 if k.endswith("running_var") else v) for k, v in shared.items()}  # FBN's (0, 1) start
+    fbn = {prefix: 0.1 for prefix in replies[0].bn_counts}  # FederatedBatchNorm's default momentum
+
+    def aggregated(participants):
+        server = ServerUpdate(ServerSpec(), start, param_keys=set(), fbn_layers=fbn)
+        server.begin(start, participants=participants)
+        for reply in replies:
+            server.add(reply)
+        return server.finish()
+
+    as_round_of_three, as_round_of_two = aggregated(3), aggregated(None)
+    for prefix in fbn:
+        key = f"{prefix}.running_var"
+        assert torch.equal(final[key], as_round_of_three[key]), prefix
+    assert any(not torch.equal(final[f"{p}.running_var"], as_round_of_two[f"{p}.running_var"]) for p in fbn)

@@ -416,7 +416,7 @@ class FlowerEngine:
             raise DivergenceError(f"client {diverged[0]!r}, on its node: {diverged[1]}")
         if core.shared_keys:
             # validate() checks replies against this round's global state
-            core.server.begin(core.global_state, lr=core.training.lr_at(core.round))
+            core.server.begin(core.global_state, lr=core.training.lr_at(core.round), participants=len(plan))
         accepted: list[tuple[ClientReply, dict, LocalResult]] = []
         received: set[str] = set()
         for client, instructions in plan:
@@ -444,7 +444,9 @@ class FlowerEngine:
             kept = "unchanged (no reply)"
         else:
             try:
-                core.aggregate([reply for reply, _, _ in accepted], [msg for _, msg, _ in accepted])
+                # (the FBN clients unbiased with the n of the round's plan, also those left out now)
+                core.aggregate([reply for reply, _, _ in accepted], [msg for _, msg, _ in accepted],
+                               participants=len(plan))
             except UpdateError as exc:
                 log(WARNING, "fednorm: round %s: the server update failed (%s); the global model stays as it was",
                     r + 1, exc)
