@@ -474,7 +474,10 @@ class InProcessEngine:
         """One external client's test split under one mode (:func:`fednorm.methods.external.evaluate_external`),
         from the global model after the client algorithm's evaluation-time adaptation (Per-FedAvg's steps on
         labelled test samples, which are then left out); ``None`` if no test sample is left. Leaves the model
-        holding the evaluated state; the global state is untouched."""
+        holding the evaluated state; the global state is untouched. Under fedbn_average and bn_average the
+        internal clients' averaged BN layers replace the adapted model's, so Per-FedAvg's steps there keep only
+        their effect on the other layers (no paper combines the two; adapting after the averaging would be the
+        alternative)."""
         prepare = prepare or self.runner.evaluation_prepare(self.input_state)
         # the internal clients' BN layers for fedbn_average and bn_average: the average the server sent (Flower), or
         # each client's own (the global state overlaid with its local state)
