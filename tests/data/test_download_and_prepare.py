@@ -307,6 +307,26 @@ def test_fedbn_files_of_different_image_sizes_are_named(tmp_path):
     assert not (tmp_path / "data" / "digits/svhn.npz").exists()
 
 
+def test_fedbn_images_stored_as_whole_valued_floats_are_read_as_bytes(tmp_path):
+    """Some redistributions of FedBN's SynthDigits hold float 0..255 images: read as the same uint8 pixels; a
+    rescaled copy (fractions) is refused by name rather than truncated."""
+    rng = np.random.default_rng(5)
+    parts = [(rng.integers(0, 256, (2, 32, 32, 3), dtype=np.uint8), np.array([i, i])) for i in range(10)]
+    test = (rng.integers(0, 256, (1, 32, 32, 3), dtype=np.uint8), np.array([4]))
+    floats = tmp_path / "float/SynthDigits"
+    _write_fedbn(floats, [(x.astype(np.float32), y) for x, y in parts], (test[0].astype(np.float64), test[1]))
+    path = prepare.prepare_fedbn_digits("synthdigits", tmp_path / "data", floats)
+    with np.load(path) as f:
+        assert f["x_train"].dtype == np.uint8
+        np.testing.assert_array_equal(f["x_train"], np.concatenate([x for x, _ in parts]))
+        np.testing.assert_array_equal(f["x_test"], test[0])
+    scaled = tmp_path / "scaled/SynthDigits"
+    _write_fedbn(scaled, [(x / 255.0, y) for x, y in parts], test)
+    with pytest.raises(DataError, match="not whole pixel values 0..255") as info:
+        prepare.prepare_fedbn_digits("synthdigits", tmp_path / "data2", scaled)
+    assert "train_part0.pkl" in str(info.value)
+
+
 # --- CIFAR-10 --------------------------------------------------------------------------------------
 
 
@@ -364,6 +384,46 @@ def test_cifar10_prepare_and_load(tmp_path, no_official_md5):
     with pytest.raises(DataError, match="Checksum mismatch") as info:
         load_cifar10(data)
     assert str(path) in str(info.value)
+
+
+def _py2_str(b: bytes) -> bytes:
+    """A Python 2 ``str`` in pickle protocol 2 (SHORT_BINSTRING / BINSTRING), as the official batches hold."""
+    return (b"U" + bytes([len(b)]) + b) if len(b) < 256 else (b"T" + len(b).to_bytes(4, "little") + b)
+
+
+def _py2_cifar_batch(data: np.ndarray, labels: list[int]) -> bytes:
+    """One batch as the official cifar-10-python.tar.gz stores it: a Python 2 cPickle (protocol 2) of a dict with
+    str keys, numpy's ``_reconstruct`` of a uint8 (N, 3072) array whose bytes are a Python 2 str, and a list of
+    int labels (Python 3's pickle cannot write this: its keys would be bytes or unicode objects)."""
+    n, width = data.shape
+    array = (b"cnumpy.core.multiarray\n_reconstruct\nq\x01cnumpy\nndarray\nq\x02K\x00\x85" + _py2_str(b"b")
+             + b"\x87R(K\x01(J" + n.to_bytes(4, "little") + b"J" + width.to_bytes(4, "little") + b"t"
+             + b"cnumpy\ndtype\n" + _py2_str(b"u1") + b"K\x00K\x01\x87R(K\x03" + _py2_str(b"|")
+             + b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb\x89" + _py2_str(data.tobytes()) + b"tb")
+    return (b"\x80\x02}q\x00(" + _py2_str(b"data") + array + _py2_str(b"labels") + b"]("
+            + b"".join(b"K" + bytes([v]) for v in labels) + b"e" + _py2_str(b"batch_label")
+            + _py2_str(b"training batch 1 of 5") + b"u.")
+
+
+def test_cifar10_batches_pickled_by_python2_as_the_official_archive_are_read(tmp_path, no_official_md5):
+    rng = np.random.default_rng(8)
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    batches = _cifar_archive(raw / "cifar-10-python.tar.gz", rng)
+    data, labels = rng.integers(0, 256, (4, 3072), dtype=np.uint8), [3, 1, 9, 0]
+    with tarfile.open(raw / "cifar-10-python.tar.gz", "r:gz") as old:
+        members = {m.name: old.extractfile(m).read() for m in old.getmembers()}
+    members["cifar-10-batches-py/data_batch_1"] = _py2_cifar_batch(data, labels)
+    with tarfile.open(raw / "cifar-10-python.tar.gz", "w:gz") as tar:
+        for name, blob in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+    path = prepare.prepare_cifar10(tmp_path / "data", raw_dir=raw, download=False, progress=False)
+    with np.load(path) as f:
+        np.testing.assert_array_equal(f["x_train"][:4], data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
+        assert f["y_train"][:4].tolist() == labels
+        assert f["y_train"][4:].tolist() == [v for i in range(2, 6) for v in batches[f"data_batch_{i}"][b"labels"]]
 
 
 def test_cifar10_archive_missing_batch(tmp_path, no_official_md5):

@@ -238,6 +238,7 @@ def read_digits_mat(path: Path, convention: str) -> tuple[np.ndarray, np.ndarray
         raise DataError(f"{path} lacks the variables X and y of the SVHN layout. Is this the "
                         "official file?")
     x, y = mat.pop("X"), mat.pop("y")
+    x = _pixel_bytes(x, path)
     if x.dtype != np.uint8 or x.ndim != 4 or x.shape[:3] != (32, 32, 3):
         raise DataError(f"{path}: X must be uint8 (32, 32, 3, N), got {x.dtype} {x.shape}. "
                         "Is this the official file?")
@@ -283,6 +284,17 @@ def prepare_synthdigits(data_dir: Path, *, raw_dir: Path | None = None, download
 # --- FedBN's preprocessed partitions ---------------------------------------------------------------
 
 
+def _pixel_bytes(x: np.ndarray, path: Path) -> np.ndarray:
+    """Images stored as floats or wider integers holding whole values 0..255 (some redistributions of FedBN's
+    SynthDigits store float 0..255) as uint8; anything else unchanged, for the caller's uint8 check to name."""
+    if x.dtype == np.uint8 or x.dtype.kind not in "fiu" or x.size == 0:
+        return x
+    if x.min() < 0 or x.max() > 255 or (x.dtype.kind == "f" and not np.array_equal(x, np.round(x))):
+        raise DataError(f"{path}: images are {x.dtype} with values {x.min():g}..{x.max():g}, not whole pixel values "
+                        "0..255 (a rescaled or normalized copy?). Get the official file again.")
+    return x.astype(np.uint8)
+
+
 def _read_pickle_pair(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if not path.is_file():
         raise DataError(f"The FedBN partition file {path} is missing. Point --fedbn-dir at FedBN's "
@@ -292,7 +304,7 @@ def _read_pickle_pair(path: Path) -> tuple[np.ndarray, np.ndarray]:
     except OSError as exc:
         raise DataError(f"Cannot read {path} ({exc}). Get FedBN's files again.") from exc
     x, y = load_fedbn_pair(data, str(path), "(images, labels)")
-    x, y = np.asarray(x), np.asarray(y)
+    x, y = _pixel_bytes(np.asarray(x), path), np.asarray(y)
     if x.dtype != np.uint8 or x.ndim != 4 or x.shape[-1] != 3 or x.shape[1] != x.shape[2]:
         raise DataError(f"{path}: images must be uint8 (N, H, W, 3), got {x.dtype} {x.shape}. Is this FedBN's "
                         "file? Get FedBN's data/<Dataset> folder again.")
@@ -310,7 +322,8 @@ def read_fedbn_partitions(folder: Path, parts: int = 10) -> dict[str, np.ndarray
     from a med-air/FedBN ``data/<Dataset>`` folder (``utils/data_preprocess.py``, ``split``).
 
     Each file is a pickled tuple ``(images, labels)``; FedBN's SVHN and SynthDigits images are
-    (N, 32, 32, 3) uint8 (its training code resizes to 28 x 28 on the fly). Only arrays, tuples, lists,
+    (N, 32, 32, 3) uint8 (its training code resizes to 28 x 28 on the fly; a copy storing them as
+    whole-valued floats is read as the same bytes). Only arrays, tuples, lists,
     strings and numbers are unpickled (:func:`fednorm.data.objects.load_fedbn_pair`): a file naming any other
     global is refused before it runs.
     """

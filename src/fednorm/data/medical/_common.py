@@ -202,10 +202,11 @@ def write_dataset_file(data_dir: Path, relpath: str, arrays: dict[str, np.ndarra
 
 
 def fetch(source: RawFile, raw_dir: Path, *, download: bool, progress: bool, manual: str,
-          size: int | None = None) -> Path:
+          min_size: int | None = None) -> Path:
     """The file ``raw_dir/source.filename``: checked if present, else downloaded (if a URL is
     known and ``download``), else a :class:`DataError` whose message is ``manual`` (what to get
-    and where to put it). ``size`` (bytes), when known, is checked too."""
+    and where to put it). ``min_size`` (bytes): a file smaller is refused as truncated (for a
+    file with no published digest)."""
     path = Path(raw_dir) / source.filename
     md5 = source.expected_md5()
     if not path.is_file():
@@ -214,9 +215,9 @@ def fetch(source: RawFile, raw_dir: Path, *, download: bool, progress: bool, man
         _download(source.url, path, source.sha256, progress, md5=md5)
     else:
         verify_file(path, sha256=source.sha256, md5=md5)
-    if size is not None and path.stat().st_size != size:
-        raise DataError(f"{path} has {path.stat().st_size} bytes, the official file has {size}. It is "
-                        f"truncated or not the official one: delete it and get it again. {manual}")
+    if min_size is not None and path.stat().st_size < min_size:
+        raise DataError(f"{path} has {path.stat().st_size} bytes, fewer than the official file's {min_size:,}. It "
+                        f"is truncated or not the official one: delete it and get it again. {manual}")
     return path
 
 
