@@ -1,8 +1,8 @@
 """Camelyon17 patches (Bandi et al. 2018) as five hospital domains: HarmoFL's and UniFed's setting.
 
 Source: the WILDS ``camelyon17`` v1.0 bundle (Koh et al. 2021), the download HarmoFL's README
-points at: one ``tar.gz`` (10,658,709,504 bytes as WILDS lists it; no checksum is published, so a file much shorter is refused)
-holding ``metadata.csv`` and 455,954 RGB PNG patches of 96 x 96 at
+points at: one ``tar.gz`` (10,658,709,504 bytes as WILDS lists it; no checksum is published, so a file
+much shorter is refused) holding ``metadata.csv`` and 455,954 RGB PNG patches of 96 x 96 at
 ``patches/patient_<PPP>_node_<N>/patch_patient_<PPP>_node_<N>_x_<X>_y_<Y>.png``. ``metadata.csv``
 columns: (index), ``patient``, ``node``, ``x_coord``, ``y_coord``, ``tumor`` (label: 1 if the
 central 32 x 32 region contains tumour), ``slide``, ``center`` (hospital 0..4), ``split``.
