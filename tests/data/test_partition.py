@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from fednorm.data.partition import dirichlet_partition, gamma_similarity_partition, iid_partition
+from fednorm.data.partition import (dirichlet_client_mix_partition, dirichlet_partition, gamma_similarity_partition,
+                                    iid_partition, label_skew_clients)
 
 LABELS = torch.arange(1000) % 10  # 100 samples per class
 
@@ -143,3 +144,43 @@ def test_a_domains_evaluation_client_validates_on_every_clients_validation_split
     assert [c.name for c in evals] == ["d", "e"]
     assert evals[0].val.y.tolist() == [0, 0, 1, 1, 2, 2] and evals[0].test is test
     assert evals[1].val is None
+
+
+def test_hsu_dirichlet_gives_equal_clients_whose_class_mix_is_drawn_around_the_class_prior():
+    """Hsu et al. 2019 (the FBN paper's [14]): client k's class mix q_k ~ Dir(alpha p), equal client sizes. Over
+    seeds, the first client's class shares average to p (E q = p, unequal classes here); small alpha puts nearly
+    all of a client on one class, large alpha gives it about p."""
+    labels = torch.tensor([0] * 400 + [1] * 300 + [2] * 200 + [3] * 100)
+    prior = np.array([0.4, 0.3, 0.2, 0.1])
+
+    def first_shares(alpha, seeds=range(300)):
+        out = []
+        for seed in seeds:
+            parts = dirichlet_client_mix_partition(labels, 10, alpha, seed=seed)
+            out.append(np.bincount(labels[parts[0]].numpy(), minlength=4) / len(parts[0]))
+        return np.array(out)
+
+    parts = dirichlet_client_mix_partition(labels, 7, 0.5, seed=1)
+    assert_disjoint_cover(parts, 1000)
+    assert [len(p) for p in parts] == [143, 143, 143, 143, 143, 143, 142]
+    assert all(torch.equal(a, b) for a, b in zip(parts, dirichlet_client_mix_partition(labels, 7, 0.5, seed=1)))
+    assert not all(torch.equal(a, b) for a, b in zip(parts, dirichlet_client_mix_partition(labels, 7, 0.5, seed=2)))
+    np.testing.assert_allclose(first_shares(1.0).mean(0), prior, atol=0.05)
+    assert first_shares(0.01, range(50)).max(1).mean() > 0.95
+    large = first_shares(1e4, range(50))  # q ~ p: only the multinomial's noise (about 0.05 on 100 samples) is left
+    np.testing.assert_allclose(large.mean(0), prior, atol=0.02)
+    assert large.max(1).mean() < 0.5 and (large > 0).all()
+    with pytest.raises(ValueError, match="alpha must be > 0"):
+        dirichlet_client_mix_partition(labels, 10, 0.0)
+
+
+def test_label_skew_clients_take_the_dirichlet_form_asked_for():
+    x = torch.zeros(1250, 1, 2, 2, dtype=torch.uint8)
+    y = torch.arange(1250) % 10
+    sizes = {form: [c.num_train for c in label_skew_clients("d", x, y, scheme="dirichlet", num_clients=5, alpha=0.3,
+                                                            dirichlet_form=form)]
+             for form in ("per_class", "per_client")}
+    assert sizes["per_client"] == [200] * 5  # Hsu's equal sizes (the 80 % training part of 1,250)
+    assert len(set(sizes["per_class"])) > 1 and sum(sizes["per_class"]) == 1000
+    with pytest.raises(ValueError, match="Dirichlet form"):
+        label_skew_clients("d", x, y, scheme="dirichlet", num_clients=5, dirichlet_form="per_pixel")

@@ -1163,3 +1163,17 @@ def test_run_json_records_the_data_folder_as_an_absolute_path(tmp_path, monkeypa
     (tmp_path / "run").mkdir()
     _write_run_info(tmp_path / "run", "data", tiny_config(), "in-process")
     assert json.loads((tmp_path / "run" / "run.json").read_text())["data_dir"] == str(tmp_path / "data")
+
+
+def test_a_config_chooses_the_dirichlet_form_of_its_label_skew():
+    """data.dirichlet_form reaches the partition: per_client (Hsu et al., the FBN paper's citation) gives clients of
+    equal size, per_class (the default, the FBN authors' byzfl library) clients of the sizes their draws give."""
+    from fednorm.runs.runner import build_federation_data
+
+    sizes = {}
+    for form in ("per_class", "per_client"):
+        cfg = tiny_config("data.domains=[rendered/print]", "data.pool_size=200", "data.partition=dirichlet",
+                          "data.alpha=0.3", "data.num_clients=4", f"data.dirichlet_form={form}")
+        sizes[form] = [c.num_train for c in build_federation_data(cfg, None)]
+    assert sizes["per_client"] == [50] * 4
+    assert len(set(sizes["per_class"])) > 1 and sum(sizes["per_class"]) == 200

@@ -30,11 +30,13 @@ def iid_partition(labels: torch.Tensor, num_clients: int, seed: int = 0) -> list
 def dirichlet_partition(
     labels: torch.Tensor, num_clients: int, alpha: float, seed: int = 0, min_size: int = 10, max_tries: int = 1000
 ) -> list[torch.Tensor]:
-    """Dirichlet label skew: for each class, proportions q ~ Dir(alpha * 1) over the clients and the class's
-    samples split accordingly (the per-class form of FedMA / NIID-Bench; Hsu et al. 2019 instead draw each
-    client's class mix from Dir(alpha p); the FBN paper does not say which); redrawn until every client has ``min_size``
-    samples (the rule of the widely used FL benchmark code, e.g. FedMA / NIID-Bench). Small alpha is
-    more skewed; alpha -> infinity approaches iid.
+    """Dirichlet label skew, per class: for each class, proportions q ~ Dir(alpha * 1) over the clients and the
+    class's samples split accordingly; client sizes differ. Redrawn until every client has ``min_size`` samples
+    (the rule of FedMA / NIID-Bench). Small alpha is more skewed; alpha -> infinity approaches iid.
+
+    The FBN paper (App. C.2) cites Hsu et al. 2019 for its Dirichlet split, whose form is per client
+    (:func:`dirichlet_client_mix_partition`); this per-class form is the one of the authors' group's library
+    (EPFL byzfl, ``dirichlet_niid_idx``, without the redraw) and the default (``data.dirichlet_form``).
     """
     y = _labels(labels)
     if alpha <= 0:
@@ -54,6 +56,48 @@ def dirichlet_partition(
             return [torch.tensor(sorted(p), dtype=torch.int64) for p in parts]
     raise ValueError(f"no Dirichlet({alpha}) draw in {max_tries} tries gave every client {min_size} samples; "
                      "lower min_size or raise alpha")
+
+
+def dirichlet_client_mix_partition(labels: torch.Tensor, num_clients: int, alpha: float,
+                                   seed: int = 0) -> list[torch.Tensor]:
+    """Dirichlet label skew, per client (Hsu, Qi & Brown 2019, the FBN paper's reference [14]): client k's class
+    mix q_k ~ Dir(alpha p), p the pool's class frequencies, and equal client sizes (``np.array_split``). Clients
+    draw in order, each its size from q_k by a multinomial; a class that runs out leaves the draw, whose
+    remaining proportions are renormalized (Hsu et al. do not say: their pools are never exhausted in
+    expectation). With alpha -> 0 each client holds one class; alpha -> infinity approaches iid.
+    """
+    y = _labels(labels)
+    if alpha <= 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    n = len(y)
+    if not 1 <= num_clients <= n:
+        raise ValueError(f"cannot split {n} samples over {num_clients} clients")
+    rng = np.random.default_rng(seed)
+    classes, counts = np.unique(y, return_counts=True)
+    pools = [list(rng.permutation(np.flatnonzero(y == c))) for c in classes]
+    remaining = counts.astype(np.int64)
+    prior = counts / n
+    sizes = [len(p) for p in np.array_split(np.arange(n), num_clients)]
+    parts = []
+    for size in sizes:
+        q = rng.dirichlet(alpha * prior)
+        take = np.zeros(len(classes), dtype=np.int64)
+        need = size
+        while need > 0:
+            open_ = remaining - take > 0
+            w = np.where(open_, q, 0.0)
+            # q may put (numerically) all its mass on classes that ran out: then the rest by what is left
+            w = w / w.sum() if w.sum() > 0 else (remaining - take) / (remaining - take).sum()
+            draw = np.minimum(rng.multinomial(need, w), remaining - take)
+            take += draw
+            need -= int(draw.sum())
+        part = []
+        for c, t in enumerate(take):
+            part += pools[c][:t]
+            del pools[c][:t]
+        remaining -= take
+        parts.append(torch.tensor(sorted(part), dtype=torch.int64))
+    return parts
 
 
 def gamma_similarity_partition(labels: torch.Tensor, num_clients: int, gamma: float, seed: int = 0) -> list[torch.Tensor]:
@@ -85,6 +129,7 @@ def gamma_similarity_partition(labels: torch.Tensor, num_clients: int, gamma: fl
 
 
 LABEL_SKEW_SCHEMES = ("iid", "gamma", "dirichlet")
+DIRICHLET_FORMS = ("per_class", "per_client")
 
 
 def label_skew_clients(
@@ -96,6 +141,7 @@ def label_skew_clients(
     num_clients: int,
     gamma: float = 1.0,
     alpha: float = 1.0,
+    dirichlet_form: str = "per_class",
     pool_size: int | None = None,
     seed: int = 0,
     origin: str = "real",
@@ -107,7 +153,7 @@ def label_skew_clients(
     The domain's pool is split 80/20 (stratified, ``seed``, as the FedBN protocol; ``presplit``: the pool is FedBN's
     own files, whose stored split is kept, :func:`fednorm.data.protocol.pool_split`); the first
     ``pool_size`` training indices (all when None) are partitioned by ``scheme`` (``iid``, ``gamma``
-    similarity or ``dirichlet`` with ``alpha``); every client is tested on the domain's whole test split
+    similarity or ``dirichlet`` with ``alpha`` in ``dirichlet_form``); every client is tested on the domain's whole test split
     (the FBN paper tests on CIFAR-10's test set). With ``test`` (a Split, e.g. CIFAR-10's official test
     set), the whole pool is training data and ``test`` is every client's test split. Clients are named
     ``<domain>-<k>``, k from 1.
@@ -129,8 +175,12 @@ def label_skew_clients(
         parts = iid_partition(labels, num_clients, seed)
     elif scheme == "gamma":
         parts = gamma_similarity_partition(labels, num_clients, gamma, seed)
-    else:
+    elif dirichlet_form == "per_client":
+        parts = dirichlet_client_mix_partition(labels, num_clients, alpha, seed)
+    elif dirichlet_form == "per_class":
         parts = dirichlet_partition(labels, num_clients, alpha, seed, min_size=min(10, len(labels) // num_clients))
+    else:
+        raise ValueError(f"unknown Dirichlet form {dirichlet_form!r}; choose one of {', '.join(DIRICHLET_FORMS)}")
     test = pool.subset(test_idx) if test is None else test
     return [
         ClientData(name=f"{domain}-{k + 1}", domain=domain, train=pool.subset(train_idx[part]), test=test,

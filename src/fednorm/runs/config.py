@@ -110,6 +110,10 @@ class DataConfig(_Strict):
                                 "for validation (model selection by validation accuracy); 0: none")
     gamma: float = Field(1.0, ge=0, le=1, description="gamma-similarity: share of iid data (1 iid, 0 extreme)")
     alpha: float = Field(1.0, gt=0, description="Dirichlet concentration (small = more skewed)")
+    dirichlet_form: Literal["per_class", "per_client"] = Field(
+        "per_class", description="per_class: each class split over the clients by Dir(alpha) (FBN authors' byzfl "
+        "library; unequal client sizes); per_client: each client's class mix from Dir(alpha p), equal sizes (Hsu et "
+        "al. 2019, the FBN paper's citation)")
     test_domain: str | None = Field(None, description="label-skew partitions: test every client on this domain's "
                                     "whole pool (cifar10/test) and train on the whole pool of the domain")
     pool_size: int = Field(7438, ge=10)

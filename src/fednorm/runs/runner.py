@@ -170,7 +170,8 @@ def _build_partition(config: ExperimentConfig, data_dir: Path | None) -> list[Cl
             loaded = load_domain(domain, data_dir=data_dir, rendered_size=d.rendered_size, seed=d.split_seed)
             whole = loaded.all()
             clients += label_skew_clients(domain, whole.x, whole.y, scheme=d.partition, num_clients=d.num_clients,
-                                          gamma=d.gamma, alpha=d.alpha, pool_size=d.pool_size, seed=d.split_seed,
+                                          gamma=d.gamma, alpha=d.alpha, dirichlet_form=d.dirichlet_form,
+                                          pool_size=d.pool_size, seed=d.split_seed,
                                           origin="rendered" if is_rendered(domain) else "real", test=test,
                                           presplit=loaded.presplit)
         return clients
