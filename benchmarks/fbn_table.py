@@ -126,19 +126,20 @@ def heterogeneity(root: Path = ROOT, preset: str = "fbn_mnistm", full: bool = Fa
     """Final test accuracy against heterogeneity: one row per setting (gamma from 1 to 0, then Dirichlet alpha
     from 1 to 0.1), one column per method, mean (sample std, ddof 1) over the seeds of every run folder
     <preset>-<setting>[-seedN]; a cell still running or diverged is left out and counted in brackets.
-    ``full``: the full-protocol folders instead, one per method, <preset>-full-<setting>[-seedN]-<method>."""
+    ``full``: the full-protocol folders instead, one per method, <preset>-full-<setting>[-seedN]-<method>.
+    A Dirichlet setting named ``dirichlet<alpha>-hsu`` (data.dirichlet_form: per_client) is its own row."""
     if full:
-        pattern = re.compile(rf"{re.escape(preset)}-full-(gamma|dirichlet)([0-9.]+)(?:-seed\d+)?-[a-z_]+")
+        pattern = re.compile(rf"{re.escape(preset)}-full-(gamma|dirichlet)([0-9.]+)(-hsu)?(?:-seed\d+)?-[a-z_]+")
     else:
-        pattern = re.compile(rf"{re.escape(preset)}-(gamma|dirichlet)([0-9.]+)(?:-seed\d+)?")
-    finals: dict[tuple[str, float], dict[str, list[float]]] = {}
-    unfinished: dict[tuple[str, float], dict[str, int]] = {}
+        pattern = re.compile(rf"{re.escape(preset)}-(gamma|dirichlet)([0-9.]+)(-hsu)?(?:-seed\d+)?")
+    finals: dict[tuple[str, float, bool], dict[str, list[float]]] = {}
+    unfinished: dict[tuple[str, float, bool], dict[str, int]] = {}
     methods: list[str] = []
     for run in sorted(root.iterdir()):
         match = pattern.fullmatch(run.name)
         if not match or not (run / "config.yaml").exists():
             continue
-        setting = (match.group(1), float(match.group(2)))
+        setting = (match.group(1), float(match.group(2)), bool(match.group(3)))
         for seed_dir in sorted(run.glob("*/seed*")):
             method = seed_dir.parent.name
             if method not in methods:
@@ -151,7 +152,7 @@ def heterogeneity(root: Path = ROOT, preset: str = "fbn_mnistm", full: bool = Fa
                 continue
             finals.setdefault(setting, {}).setdefault(method, []).append(numbers[0])
 
-    def cell(setting: tuple[str, float], method: str) -> str:
+    def cell(setting: tuple[str, float, bool], method: str) -> str:
         values = finals.get(setting, {}).get(method, [])
         text = ""
         if len(values) == 1:
@@ -163,13 +164,14 @@ def heterogeneity(root: Path = ROOT, preset: str = "fbn_mnistm", full: bool = Fa
 
     paper_order = ["fbn", "fixbn", "naive_bn", "centralized_bn"]  # the preset's (and the paper's legend's) order
     methods.sort(key=lambda m: paper_order.index(m) if m in paper_order else len(paper_order))
-    order = sorted(set(finals) | set(unfinished), key=lambda s: (s[0] == "dirichlet", -s[1]))
+    order = sorted(set(finals) | set(unfinished), key=lambda s: (s[0] == "dirichlet", s[2], -s[1]))
     protocol = "full protocol (width 1, T = 3000)" if full else "shortened protocol"
     print(f"{preset}, {protocol}: test accuracy % at the last step, mean (sample std, number of seeds)\n")
     print("| setting | " + " | ".join(methods) + " |")
     print("| --- | " + " | ".join("---" for _ in methods) + " |")
     for setting in order:
         label = f"gamma = {setting[1]:g}" if setting[0] == "gamma" else f"Dirichlet alpha = {setting[1]:g}"
+        label += ", per client (Hsu et al.)" if setting[2] else ""
         print(f"| {label} | " + " | ".join(cell(setting, m) for m in methods) + " |")
 
 
