@@ -186,6 +186,20 @@ def test_synthdigits_both_label_conventions(tmp_path, y_train, y_test, expected)
     assert [int(v) for v in x[0].amin(dim=(1, 2))] == list(COLOUR)
 
 
+def test_synthdigits_mat_with_float_pixels_is_read_as_bytes(tmp_path):
+    """A SynthDigits .mat whose X is double 0..255 (MATLAB's default type) gives the same uint8 images."""
+    rng = np.random.default_rng(7)
+    raw = tmp_path / "raw"
+    x_tr, x_te = _mat_images(rng, 3), _mat_images(rng, 2)
+    _write_mat(raw / "synth_train_32x32.mat", x_tr.astype(np.float64), np.array([[0], [1], [2]], dtype=np.float64))
+    _write_mat(raw / "synth_test_32x32.mat", x_te.astype(np.float64), np.array([[3], [4]], dtype=np.float64))
+    path = prepare.prepare_synthdigits(tmp_path / "data", raw_dir=raw, progress=False)
+    with np.load(path) as f:
+        assert f["x_train"].dtype == np.uint8
+        np.testing.assert_array_equal(f["x_train"], np.moveaxis(x_tr, 3, 0))
+        np.testing.assert_array_equal(f["x_test"], np.moveaxis(x_te, 3, 0))
+
+
 def test_synthdigits_ambiguous_labels_rejected(tmp_path):
     raw = tmp_path / "raw"
     x = _mat_images(np.random.default_rng(3), 2)
