@@ -87,7 +87,7 @@ def test_report_sample_std_over_two_seeds(tmp_path):
     for seed, acc in ((0, 0.90), (1, 0.94)):
         cell = tmp_path / "run" / "fedavg" / f"seed{seed}"
         cell.mkdir(parents=True)
-        client = {"name": "mnist", "origin": "real", "test": {"final_acc": acc, "best_acc": acc}}
+        client = {"name": "mnist", "origin": "real", "test": {"final_acc": acc, "best_acc": acc, "best_mean_acc": acc}}
         (cell / "summary.json").write_text(json.dumps({"method": "fedavg", "seed": seed, "clients": [client]}))
     population = runner.invoke(app, ["report", str(tmp_path / "run"), "--markdown"])
     sample = runner.invoke(app, ["report", str(tmp_path / "run"), "--markdown", "--sample-std"])
@@ -96,6 +96,11 @@ def test_report_sample_std_over_two_seeds(tmp_path):
     assert "| fedavg | 2 | 92.00 (2.00) | 92.00 (2.00) |" in population.output
     assert "| fedavg | 2 | 92.00 (2.83) | 92.00 (2.83) |" in sample.output and "sample standard deviation" in sample.output
     assert "standard deviation" not in population.output
+    # a pasted markdown table says which std and which round it holds
+    assert "final, mean (population std) over seeds" in population.output
+    assert "final, mean (sample std) over seeds" in sample.output
+    best = runner.invoke(app, ["report", str(tmp_path / "run"), "--markdown", "--best"])
+    assert "best round, mean (population std)" in best.output, best.output
 
 
 def test_report_avg_std_across_clients(tmp_path):

@@ -260,10 +260,13 @@ def report(
     for note in found.notes:
         err_console.print(f"[yellow]{note}[/yellow]", soft_wrap=True, highlight=False)
     which = "validation-selected" if selected else "best round" if best else "final"
+    # the title names the round chosen and the std, in both renderings: a pasted markdown table must not read as
+    # final-round population-std numbers when it is not
+    title = f"test {table.score_label} (%), {which}, mean ({'sample' if sample_std else 'population'} std) over seeds"
     if markdown:
-        console.print(table.markdown(), highlight=False, markup=False, soft_wrap=True)
+        console.print(f"{title}\n\n{table.markdown()}", highlight=False, markup=False, soft_wrap=True)
     else:
-        _print_table(table, f"test {table.score_label} (%), {which}, mean ({'sample' if sample_std else 'population'} std) over seeds")
+        _print_table(table, title)
 
 
 @app.command()
