@@ -20,21 +20,21 @@ from __future__ import annotations
 import json
 import re
 import statistics
-import sys
 from pathlib import Path
+
+from fednorm.runs import store
 
 ROOT = Path(__file__).resolve().parent / "results" / "fbn"
 
 
 def test_by_round(cell: Path) -> dict[int, float]:
-    """Test accuracy (%) by evaluated round of one method's seed folder, mean over clients."""
-    metrics = cell / "metrics.jsonl"
+    """Test accuracy (%) by evaluated round of one method's seed folder, mean over the internal clients (as the
+    reports' Avg: external clients, never trained, left out); damaged lines skipped as fednorm's reader does."""
+    external = store.external_clients(cell)
     by_round: dict[int, list[float]] = {}
-    if metrics.exists():
-        for line in metrics.read_text().splitlines():
-            record = json.loads(line)
-            if record.get("split") == "test":
-                by_round.setdefault(record["round"], []).append(record["acc"])
+    for record in store.read_metrics(cell / store.METRICS_FILE):
+        if record.get("split") == "test" and record.get("acc") is not None and record["client"] not in external:
+            by_round.setdefault(record["round"], []).append(record["acc"])
     return {r: 100 * sum(v) / len(v) for r, v in sorted(by_round.items())}
 
 

@@ -31,6 +31,20 @@ def test_a_seed_that_stopped_early_keeps_its_last_score_in_the_comparison(tmp_pa
     assert score == "accuracy"
 
 
+def test_the_comparison_curve_leaves_external_clients_out_as_the_table_avg_does(tmp_path):
+    import json
+
+    _cell(tmp_path, "fedbn", 0, {1: 0.5}, clients=("a",))
+    cell = store.cell_dir(tmp_path, "fedbn", 0)
+    # an external client (never trained) scores 0.1: in metrics.jsonl, named external by the finished cell's summary
+    store.append_metrics(cell / store.METRICS_FILE, [{"round": 1, "client": "x", "split": "test", "acc": 0.1}])
+    (cell / store.SUMMARY_FILE).write_text(json.dumps({"method": "fedbn", "seed": 0, "clients": [
+        {"name": "a"}, {"name": "x", "external": True}]}))
+    assert store.external_clients(cell) == {"x"}
+    curves, _ = plots.comparison_curves(tmp_path, [("fedbn", 0)])
+    assert curves["acc"]["fedbn"] == pytest.approx({1: 0.5})
+
+
 def test_one_evaluation_is_drawn_as_a_point(tmp_path, monkeypatch):
     _cell(tmp_path, "fedavg", 0, {5: 0.7})
     drawn = []

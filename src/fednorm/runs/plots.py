@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -66,14 +65,6 @@ def plot_cell(records: list[dict], cell: Path) -> None:
         save_figure(fig, cell / name)
 
 
-def _external_clients(cell: Path) -> set[str]:
-    """The external (never trained) client entries of a finished cell, as its summary names them."""
-    path = cell / store.SUMMARY_FILE
-    if not path.exists():
-        return set()
-    return {e["name"] for e in json.loads(path.read_text())["clients"] if e.get("external")}
-
-
 def comparison_curves(run_dir: Path, cells: list[tuple[str, int]]) -> tuple[dict[str, dict[str, dict[int, float]]], str]:
     """What comparison.png draws: per kind ("acc": mean test score over the internal clients, "loss": mean
     training loss over the participants) and method label, round -> the mean over seeds; and the score's name.
@@ -86,7 +77,7 @@ def comparison_curves(run_dir: Path, cells: list[tuple[str, int]]) -> tuple[dict
         cell = store.cell_dir(run_dir, label, seed)
         records = store.read_metrics(cell / store.METRICS_FILE)
         score = _score(records)
-        external = _external_clients(cell)  # never trained: the table's Avg leaves them out, so does the curve
+        external = store.external_clients(cell)  # never trained: the table's Avg leaves them out, so does the curve
         for kind, split in (("acc", "test"), ("loss", "train")):
             by_round: dict[int, list[float]] = defaultdict(list)
             for r in records:

@@ -179,6 +179,15 @@ def truncate_metrics(path: Path, last_round: int) -> Path | None:
     return backup
 
 
+def external_clients(cell: Path) -> set[str]:
+    """The external (never trained) client entries of a finished cell, as its summary names them (a cell without
+    a summary yet: none known)."""
+    path = cell / SUMMARY_FILE
+    if not path.exists():
+        return set()
+    return {e["name"] for e in json.loads(path.read_text())["clients"] if e.get("external")}
+
+
 def damaged_metric_lines(path: Path) -> list[int]:
     """The numbers of a metrics file's damaged lines (see :func:`truncate_metrics`)."""
     return _metric_lines(path)[1]
