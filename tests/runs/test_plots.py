@@ -81,3 +81,15 @@ def test_many_clients_are_thin_lines_under_their_mean(tmp_path, monkeypatch):
     labels = [t.get_text() for t in accuracy.get_legend().get_texts()]
     assert labels == [f"mean over the clients ({len(clients)}, each a thin line)"]
     assert len(accuracy.lines) == len(clients) + 1 and list(accuracy.lines[-1].get_ydata()) == [20.0, 40.0]
+
+
+def test_plots_name_the_run_and_the_cell_they_show(tmp_path, monkeypatch):
+    run = tmp_path / "fbn_mnistm-gamma0"
+    _cell(run, "naive_bn", 2, {1: 0.5, 2: 0.6})
+    drawn = []
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    cell = store.cell_dir(run, "naive_bn", 2)
+    plots.plot_cell(store.read_metrics(cell / store.METRICS_FILE), cell)
+    assert [fig.axes[0].get_title() for fig in drawn] == ["fbn_mnistm-gamma0: naive_bn, seed 2"] * 2  # accuracy, loss
+    plots.plot_comparison(run, [("naive_bn", 2)])
+    assert drawn[-1].get_suptitle() == "fbn_mnistm-gamma0"

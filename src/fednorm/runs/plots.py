@@ -60,9 +60,21 @@ def plot_cell(records: list[dict], cell: Path) -> None:
                     label=f"mean over the clients ({len(series)}, each a thin line)")
         ax.set_xlabel("round")
         ax.set_ylabel(ylabel)
+        ax.set_title(cell_title(cell), fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         save_figure(fig, cell / name)
+
+
+def cell_title(cell: Path) -> str:
+    """"<run folder>: <method>, seed <k>" of a cell folder (run/<method>/seed<k>): a plot opened on its own, or
+    pasted, still says what it shows."""
+    cell = Path(cell).resolve()
+    return f"{cell.parent.parent.name}: {cell.parent.name}, seed {cell.name.removeprefix('seed')}"
+
+
+def _run_title(fig, run_dir: Path) -> None:
+    fig.suptitle(Path(run_dir).resolve().name, fontsize=10)
 
 
 def comparison_curves(run_dir: Path, cells: list[tuple[str, int]]) -> tuple[dict[str, dict[str, dict[int, float]]], str]:
@@ -119,6 +131,7 @@ def plot_comparison(run_dir: Path, cells: list[tuple[str, int]]) -> None:
             ax.legend()
         else:  # e.g. every cell diverged in its first round: test scores were recorded, no finite training loss
             ax.text(0.5, 0.5, "none recorded", ha="center", va="center", transform=ax.transAxes)
+    _run_title(fig, run_dir)
     save_figure(fig, Path(run_dir) / "comparison.png")
 
 
@@ -154,5 +167,6 @@ def plot_diagnostics(run_dir: Path, cells: list[tuple[str, int]]) -> bool:
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    _run_title(fig, run_dir)
     save_figure(fig, Path(run_dir) / "diagnostics.png")
     return True
