@@ -35,10 +35,13 @@ def test_conv_relu_bn_order():
     assert kinds == block + block + pool + block + block + pool
 
 
-@pytest.mark.parametrize("size, flat", [(32, 128 * 8 * 8), (28, 128 * 7 * 7)])
-def test_output_shapes_and_flatten_size(size, flat):
+# MNIST-M's 28x28 adaptation: only the first FC layer's input shrinks (8192 -> 6272 features into 128 units)
+@pytest.mark.parametrize("size, flat, count", [(32, 128 * 8 * 8, 1_310_922),
+                                               (28, 128 * 7 * 7, 1_310_922 - (8192 - 6272) * 128)])
+def test_output_shapes_and_flatten_size(size, flat, count):
     model = FBNCNN(image_size=size).eval()
     assert layers(model, nn.Linear)[0].in_features == flat
+    assert sum(p.numel() for p in model.parameters()) == count
     assert model(torch.zeros(2, 3, size, size)).shape == (2, 10)
 
 

@@ -88,6 +88,11 @@ def test_alexnet_fedbn_table9_geometry():
     assert [b.num_features for b in layers(model.classifier, nn.BatchNorm1d)] == [4096, 4096]
     assert not layers(model, nn.Dropout)
     assert model.eval()(torch.zeros(1, 3, 64, 64)).shape == (1, 10)
+    # Table 9's shapes, every conv and FC layer with its bias, BN affine on 5 conv + 2 FC layers
+    convs = 3 * 64 * 121 + 64 + 64 * 192 * 25 + 192 + 192 * 384 * 9 + 384 + 384 * 256 * 9 + 256 + 256 * 256 * 9 + 256
+    fcs = 9216 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 10 + 10
+    bn = 2 * (64 + 192 + 384 + 256 + 256) + 2 * (4096 + 4096)
+    assert sum(p.numel() for p in model.parameters()) == convs + fcs + bn == 57_063_498
 
 
 def test_alexnet_fedwon_classifier_has_dropout_and_no_norm():
@@ -215,6 +220,9 @@ def test_mobilenet_v2_gn_follows_fedwon_group_rule():
     gn = [(g.num_groups, g.num_channels) for g in layers(mobilenet_v2(norm="gn"), nn.GroupNorm)]
     assert (24, 144) in gn and (8, 16) in gn and (8, 24) in gn and (32, 32) in gn
     assert all(g == 24 for g, c in gn if c == 144)
+    # every other layer: 32 groups, 8 below 32 channels (App. A.2), written out here rather than via default_groups
+    assert all(g == 8 for g, c in gn if c < 32) and all(g == 32 for g, c in gn if c >= 32 and c != 144)
+    assert len(gn) == len(layers(mobilenet_v2(norm="bn"), nn.BatchNorm2d))
     gray = mobilenet_v2(norm="bn", in_channels=1, num_classes=5, width_mult=0.25)
     assert gray.features[0][0].in_channels == 1
     assert gray.eval()(torch.zeros(1, 1, 32, 32)).shape == (1, 5)
