@@ -11,6 +11,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/fedbn_digits}
 DATA=${DATA:-../shared/data}
 PRECISION=${PRECISION:-auto}
+# the recorded cells ran the authors' code's 100 rounds; the preset holds the paper's 300 (ROUNDS=300)
+ROUNDS=${ROUNDS:-100}
 CELLS=${CELLS:-"fedbn:0 fedavg:0 singleset:0 fedprox:0 fedbn:1 fedavg:1 fedbn:2 fedavg:2"}
 EXTRA=${EXTRA:-}
 eval "extra=($EXTRA)"  # EXTRA may quote values with spaces: --set 'methods=[{name: fedbn}]'
@@ -24,7 +26,7 @@ for cell in $CELLS; do
     .venv/bin/fednorm resume "$dir" --data-dir "$DATA" --quiet || { failed+=("$cell"); continue; }
   else
     .venv/bin/fednorm run fedbn_digits --data-dir "$DATA" --set "methods=[$method]" --set "seeds=[$seed]" \
-      --set "training.precision=$PRECISION" "${extra[@]}" --out "$dir" --quiet || { failed+=("$cell"); continue; }
+      --set "training.precision=$PRECISION" --set "federation.rounds=$ROUNDS" "${extra[@]}" --out "$dir" --quiet || { failed+=("$cell"); continue; }
   fi
   echo "$method seed $seed: $(( $(date +%s) - start )) s wall" | tee -a "$OUT/wall_times.txt"
 done

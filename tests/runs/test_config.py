@@ -441,3 +441,37 @@ def test_an_empty_config_file_is_refused_not_run_as_the_defaults(tmp_path):
         load_config(empty)
     (tmp_path / "defaults.yaml").write_text("extends: default\n")
     assert load_config(tmp_path / "defaults.yaml") == load_config("default")
+
+
+def test_fedbn_digits_ablation_presets_keep_the_protocol_and_quote_tables_13_and_14_per_setting():
+    """FedBN's digits studies: Table 11/12 (the paper's 300 rounds, centralized beside FedBN), local epochs
+    (300 / E rounds), B x E (Table 13), local data size (Table 14), clients per domain; each keeps fedbn_digits'
+    data, model and optimizer, and the paper's numbers follow the setting a run is given."""
+    base = load_config("fedbn_digits")
+    assert base.federation.rounds == 300 and base.training.epochs == 1
+    assert base.paper["centralized"] == {"mnist": 96.53, "mnistm": 79.65, "usps": 96.46}  # Table 12
+    ablations = {name: load_config(name) for name in ("fedbn_digits_local_epochs", "fedbn_digits_batch_epochs",
+                                                     "fedbn_digits_data_size", "fedbn_digits_clients")}
+    for name, cfg in ablations.items():
+        assert (cfg.data.domains, cfg.model, cfg.training.lr, cfg.federation.weighting) == (
+            base.data.domains, base.model, base.training.lr, base.federation.weighting), name
+    epochs = ablations["fedbn_digits_local_epochs"]
+    assert epochs.training.epochs * epochs.federation.rounds == 300 and not epochs.paper
+    assert ablations["fedbn_digits_clients"].data.clients_per_domain == 2
+    # Table 13: each of the nine (B, E) cells quotes its own row; B = inf is a client's whole set (743)
+    grid = {}
+    for batch in (10, 50, 743):
+        for e in (1, 4, 16):
+            cfg = load_config("fedbn_digits_batch_epochs", [f"training.batch_size={batch}", f"training.epochs={e}"])
+            paper, source = cfg.paper_for_setting()
+            assert f"B = {'inf' if batch == 743 else batch}" in source and f"E = {e}," in source
+            grid[batch, e] = paper
+    assert len({str(p) for p in grid.values()}) == 9
+    assert grid[50, 4]["fedbn"]["mnistm"] == 77.56 and grid[743, 16]["fedavg"]["usps"] == 94.68
+    assert grid[10, 1]["fedbn"] == {"mnist": 97.41, "mnistm": 82.81, "usps": 97.37}
+    # Table 14: seven shares of the pool, each its own column of numbers
+    sizes = {p: load_config("fedbn_digits_data_size", [f"data.percent={p}"]).paper_for_setting()
+             for p in (1.0, 0.6, 0.4, 0.2, 0.1, 0.05, 0.01)}
+    assert all(f"{p * 100:g} % of the pool" in source for p, (_, source) in sizes.items())
+    assert sizes[0.01][0]["singleset"]["mnistm"] == 17.23 and sizes[1.0][0]["fedbn"]["usps"] == 98.82
+    assert sizes[0.1][0]["fedavg"]["mnist"] == 96.22  # not Table 11's 95.87: a different run (the paper's note)
