@@ -310,6 +310,30 @@ def test_external_config_reaches_the_test_time_bn_settings():
     assert load_config("default").external.bn().unbiased is False
 
 
+def test_a_test_time_bn_setting_without_its_mode_is_said_to_change_nothing(tmp_path):
+    """external.momentum etc. shape only test_time_bn (fedbn_average is FedBN App. G's fixed protocol): set without
+    that mode, the config warns; with it, or at the defaults, or reloaded from a run's config.yaml (every key
+    written out) at the defaults, it does not."""
+    import warnings
+
+    import yaml
+
+    from fednorm.runs.config import ConfigWarning
+
+    base = ["data.domains=[rendered/print, rendered/neon]", "external.domains=[rendered/street]"]
+    with pytest.warns(ConfigWarning, match=r"external.momentum, external.predict set the test-time BN .* "
+                                           r"\['global', 'fedbn_average'\] leaves out"):
+        load_config("default", base + ["external.modes=[global, fedbn_average]", "external.momentum=0.5",
+                                       "external.predict=after_pass"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        load_config("default", base + ["external.modes=[global, test_time_bn]", "external.momentum=0.5"])
+        quiet = load_config("default", base + ["external.modes=[global, fedbn_average]"])
+        written = tmp_path / "config.yaml"
+        written.write_text(yaml.safe_dump(quiet.model_dump(mode="json")))
+        load_config(str(written))
+
+
 def test_fedwon_table13_resnet20_preset_has_table10_rates_on_fedwon_offices_protocol():
     """FedWon Table 13: the seven methods on Office-Caltech-10 with ResNet-20 and Table 10's learning rates, every
     other setting fedwon_office's; the paper's Avg is the mean of its four domains."""

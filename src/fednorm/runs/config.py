@@ -576,6 +576,9 @@ class FederationConfig(_Strict):
                                      resolve_precision(precision, device))
 
 
+TEST_TIME_BN_KEYS = ("batch_size", "momentum", "convention", "reset", "predict", "shuffle_seed", "unbiased")
+
+
 class ExternalConfig(_Strict):
     """External clients (UniFed, FedBN App. G): domains that never train, evaluated under each mode."""
 
@@ -610,6 +613,20 @@ class ExternalConfig(_Strict):
         for d in value:
             check_domain(d)
         return value
+
+    @model_validator(mode="after")
+    def _test_time_settings_need_their_mode(self) -> "ExternalConfig":
+        """The test-time BN settings shape only mode test_time_bn (fedbn_average follows FedBN App. G's own protocol:
+        population statistics over one pass, then prediction): one changed without that mode has no effect, which
+        is said, not left silent. Compared with the defaults, not with the keys given, so a run's config.yaml (every
+        key written out) warns only as its first load did."""
+        changed = [k for k in TEST_TIME_BN_KEYS if getattr(self, k) != type(self).model_fields[k].default]
+        if changed and self.domains and "test_time_bn" not in self.modes:
+            warnings.warn(f"external.{', external.'.join(changed)} set the test-time BN statistics of mode "
+                          f"test_time_bn, which external.modes {self.modes} leaves out: they change nothing here "
+                          "(fedbn_average always uses FedBN App. G's protocol: population statistics over one pass, "
+                          "then prediction)", ConfigWarning, stacklevel=2)
+        return self
 
     def bn(self):
         from ..methods.external import ExternalBN
