@@ -157,6 +157,32 @@ def test_fedbn_with_one_client_equals_local_training(tiny_clients):
         torch.testing.assert_close(single.model.state_dict()[key], value, rtol=1e-5, atol=1e-6)
 
 
+def test_singleset_with_several_clients_trains_each_on_its_own_data_alone(tiny_clients):
+    """SingleSet (FedBN Table 11's 'Single'): every entry stays on the client, so over rounds each client's model is
+    exactly what training alone on its own data gives, from the common initial model; nothing is averaged."""
+    eng = engine(tiny_clients, "singleset")
+    initial = copy.deepcopy(eng.model.state_dict())
+    assert not eng.shared_keys and set(eng.local_keys) == set(initial)
+    alone = {}
+    for c in tiny_clients:
+        model = copy.deepcopy(eng.model)
+        model.load_state_dict(initial)
+        for r in range(3):
+            seed = derive_seed(0, r, eng._index[c.name], 2)
+            torch.manual_seed(seed)
+            train_locally(model, c.train, TRAIN, generator=torch.Generator().manual_seed(seed), prepare=normalize_batch)
+        alone[c.name] = model.state_dict()
+    for _ in range(3):
+        eng.run_round()
+    for c in tiny_clients:
+        eng.load_client(c.name)
+        for key, value in alone[c.name].items():
+            torch.testing.assert_close(eng.model.state_dict()[key], value, rtol=1e-5, atol=1e-6)
+    # the clients did end apart (a shared entry would have pulled them together)
+    first, last = (alone[c.name]["features.0.weight"] for c in (tiny_clients[0], tiny_clients[-1]))
+    assert not torch.allclose(first, last)
+
+
 def test_fedavg_one_full_batch_step_on_identical_clients_equals_centralized_sgd():
     data = make_split(24, seed=7)
     clients = [ClientData(f"c{i}", "same", data, data) for i in range(3)]
