@@ -152,6 +152,23 @@ def test_pool_truncated_to_7438():
     assert client.meta["train_pool_len"] == 7438 and "note" not in client.meta
 
 
+def test_no_pool_size_cuts_each_domain_from_its_whole_training_split():
+    """FedBN App. E.6 (Tables 15-16): pool_size None, so 10 % of a domain is 10 % of its own training split and the
+    domains' clients differ in size as their datasets do (the paper's MNIST 5,600 against USPS 743)."""
+    x, y = _pool([c * 3 for c in USPS_COUNTS])  # 27894 samples -> 22315 training samples
+    (big,) = fedbn_domain_clients("big", x, y, percent=0.1, pool_size=None)
+    train_idx, _ = stratified_split(y)
+    # partition 0 of ten over the whole 22315-sample split: int(2231.5 * 1) samples, in the split's order
+    assert big.num_train == int(22315 / 10) == 2231 and torch.equal(_ids(big.train), train_idx[:2231])
+    assert big.meta["train_pool_len"] == 22315 and big.meta["requested_pool_size"] is None and "note" not in big.meta
+    (whole,) = fedbn_domain_clients("big", x, y, percent=1.0, pool_size=None)
+    assert torch.equal(_ids(whole.train), train_idx)
+    (usps,) = fedbn_domain_clients("usps", *_pool(), percent=0.1, pool_size=None)
+    assert usps.num_train == 743  # 7438 training images: the same as under the 7438 pool
+    with pytest.raises(ValueError, match="positive int or None"):
+        fedbn_domain_clients("usps", *_pool(), pool_size=0)
+
+
 def test_many_clients_disjoint_cover_pool_share_test(usps_like):
     x, y = usps_like
     clients = fedbn_domain_clients("usps", x, y, percent=0.1, clients_per_domain=10)

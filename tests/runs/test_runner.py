@@ -234,8 +234,25 @@ def test_real_digit_domains_run_end_to_end(tmp_path):
     text = (tmp_path / "run" / "results.md").read_text()
     assert "paper" in text and "95.56" in text  # FedAvg's USPS number from FedBN Table 11 beside ours
     # ... and says where the paper rows come from, since this run's overrides (2 rounds, 10 %) are not the paper's
-    assert "paper rows: FedBN Table 11, mean of 5 trials" in text
+    assert "paper rows: FedBN Table 11 (centralized: Table 12), mean of 5 trials" in text
     assert json.loads((tmp_path / "run" / "results.json").read_text())["paper_source"] == cfg.paper_source
+
+
+@pytest.mark.integration
+def test_fedbn_unequal_sizes_preset_gives_each_client_its_datasets_share_and_the_largest_ones_iterations():
+    """FedBN App. E.6 (Table 15): 10 % of each dataset's own training split, and every client runs the largest
+    client's iterations of one epoch (the smaller ones repeat sampling)."""
+    import math
+
+    from fednorm.runs.runner import build_federation_data
+
+    from ..conftest import real_data_dir
+
+    cfg = load_config("fedbn_digits_unequal")
+    sizes = {c.name: c.num_train for c in build_federation_data(cfg, real_data_dir())}
+    # MNIST 70,000 and USPS 9,298 images, split 80/20: 10 % of 56,000 and of 7,438; MNIST-M's offline 18,000: 1,440
+    assert sizes == {"mnist": 5600, "mnistm": 1440, "usps": 743, "rendered/street": 743, "rendered/synth": 743}
+    assert cfg.training.steps == math.ceil(max(sizes.values()) / cfg.training.batch_size)
 
 
 def test_cross_device_run_evaluates_each_domain_once_with_the_global_model(tmp_path):

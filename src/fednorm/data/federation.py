@@ -453,7 +453,7 @@ def build_clients(
     data_dir: Path | None,
     percent: float = 0.1,
     clients_per_domain: int = 1,
-    pool_size: int = 7438,
+    pool_size: int | None = 7438,
     split_seed: int = 0,
     rendered_size: int = DEFAULT_RENDERED_SIZE,
     partition: str = "fedbn",

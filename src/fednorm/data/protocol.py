@@ -173,7 +173,7 @@ def fedbn_domain_clients(
     *,
     percent: float = 0.1,
     clients_per_domain: int = 1,
-    pool_size: int = FEDBN_POOL_SIZE,
+    pool_size: int | None = FEDBN_POOL_SIZE,
     seed: int = 0,
     origin: str = "real",
     presplit: int | None = None,
@@ -185,10 +185,13 @@ def fedbn_domain_clients(
     (all of them, noted in ``meta``, if the split is smaller), cut into 10 partitions. Each client
     gets ``percent`` of the training pool at its own offset and the whole test split. ``presplit``:
     the pool is FedBN's own files, its first ``presplit`` images the training pool (``pool_split``).
+    ``pool_size=None``: the whole training split is the pool, so the domains' clients differ in size as their
+    datasets do (FedBN App. E.6, Tables 15-16: 10 % is 5,600 MNIST images, 743 USPS ones).
     """
-    per_client = _check_percent_and_clients(domain, percent, clients_per_domain, f"{pool_size}-sample")
-    if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
-        raise ValueError(f"pool_size must be a positive int, got {pool_size!r}")
+    per_client = _check_percent_and_clients(domain, percent, clients_per_domain,
+                                            "whole-split" if pool_size is None else f"{pool_size}-sample")
+    if pool_size is not None and (isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1):
+        raise ValueError(f"pool_size must be a positive int or None (the whole training split), got {pool_size!r}")
 
     pool = Split(x, y)  # validates dtype and shapes
     train_idx, test_idx = pool_split(pool.y, seed, presplit)
@@ -214,7 +217,7 @@ def fedbn_domain_clients(
         "train_pool_len": train_pool_len,
         "clients_per_domain": clients_per_domain,
     }
-    if train_pool_len < pool_size:
+    if pool_size is not None and train_pool_len < pool_size:
         base_meta["note"] = (
             f"training split has only {train_pool_len} samples (< pool_size {pool_size}); "
             f"the whole split is the training pool, so partitions are "
@@ -253,7 +256,7 @@ def even_domain_clients(
     *,
     clients_per_domain: int,
     percent: float = 1.0,
-    pool_size: int = FEDBN_POOL_SIZE,
+    pool_size: int | None = FEDBN_POOL_SIZE,
     seed: int = 0,
     origin: str = "real",
     presplit: int | None = None,

@@ -116,7 +116,9 @@ class DataConfig(_Strict):
         "al. 2019, the FBN paper's citation)")
     test_domain: str | None = Field(None, description="label-skew partitions: test every client on this domain's "
                                     "whole pool (cifar10/test) and train on the whole pool of the domain")
-    pool_size: int = Field(7438, ge=10)
+    pool_size: int | None = Field(7438, ge=10, description="training images per domain that the clients' shares "
+                                  "are cut from (FedBN's 7,438); null: each domain's whole training split, so "
+                                  "clients differ in size as their datasets do (FedBN App. E.6)")
     split_seed: int = Field(0, ge=0, lt=2**32, description="seed of the stratified split (fixed across runs, as FedBN)")
     rendered_size: int = Field(9298, ge=20, description="images rendered per rendered domain")
     data_dir: str | None = Field(None, description="data folder, used when --data-dir is not given (then, on resume, the "
