@@ -416,8 +416,8 @@ def data_verify(
 
 @data_app.command("prepare")
 def data_prepare(
-    dataset: str = typer.Argument(..., help="svhn, synthdigits, cifar10, cifar10c, office_caltech10, domainnet, camelyon17, "
-                                  "prostate, nuclei, abide or fed_isic2019"),
+    dataset: str = typer.Argument(..., help="svhn, synthdigits, morpho_global, morpho_local, cifar10, cifar10c, "
+                                  "office_caltech10, domainnet, camelyon17, prostate, nuclei, abide or fed_isic2019"),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder (else FEDNORM_DATA, else the user cache)"),
     raw_dir: Optional[str] = typer.Option(None, "--raw-dir", help="folder of the official files (default DATA_DIR/raw/DATASET)"),
     fedbn_dir: Optional[str] = typer.Option(None, "--fedbn-dir", help="svhn/synthdigits: read med-air/FedBN's partition files"),

@@ -1,4 +1,4 @@
-"""Real digit domains (MNIST, MNIST-M, USPS, Semeion, SVHN, SynthDigits) from a data folder.
+"""Real digit domains (MNIST, MNIST-M, USPS, Semeion, SVHN, SynthDigits, Morpho-MNIST) from a data folder.
 
 Each domain is returned as one pool: the union of the file's train and test arrays (train first,
 then test), because the FedBN protocol (:mod:`fednorm.data.protocol`) ignores the official splits
@@ -18,6 +18,8 @@ Choices where the official code has nothing to copy:
 * Semeion is not a FedBN domain; it is loaded like USPS (16 x 16 grey, resized, replicated).
 * SVHN and SynthDigits have no offline copy; :mod:`fednorm.data.prepare` writes their files from
   the official ones (or FedBN's partitions), and they load like MNIST-M (32 x 32 RGB -> 28 x 28).
+* Morpho-MNIST's global and local sets (:mod:`fednorm.data.morpho`, FedBN App. G) have no offline copy either;
+  prepared from the authors' zips, they load like MNIST.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 
 from fednorm.data.datafolder import load_npz
 from fednorm.data.domain import DataError
+from fednorm.data.morpho import MORPHO_FILES
 
 IMAGE_SIZE = 28
 NUM_CLASSES = 10
@@ -41,6 +44,7 @@ REAL_DIGIT_DOMAINS: dict[str, str] = {
     "semeion": "digits/semeion.npz",
     "svhn": "digits/svhn.npz",
     "synthdigits": "digits/synthdigits.npz",
+    **MORPHO_FILES,  # Morpho-MNIST's global and local sets (FedBN App. G), MNIST's layout
 }
 
 # (image key, label key) pairs of each file, concatenated in this order.
@@ -51,10 +55,11 @@ _ARRAY_PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
     "semeion": (("x", "y"),),
     "svhn": (("x_train", "y_train"), ("x_test", "y_test")),
     "synthdigits": (("x_train", "y_train"), ("x_test", "y_test")),
+    **{name: (("x_train", "y_train"), ("x_test", "y_test")) for name in MORPHO_FILES},
 }
 
 # Domains whose file is written by fednorm.data.prepare from the official files.
-_PREPARED = ("svhn", "synthdigits")
+_PREPARED = ("svhn", "synthdigits", *MORPHO_FILES)
 # the array that marks a file prepared from FedBN's preprocessed partitions (x_train = FedBN's training pool
 # in partition order, x_test = its test split): the protocol keeps that split
 FEDBN_PRESPLIT_KEY = "fedbn_presplit"

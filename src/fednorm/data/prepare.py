@@ -42,6 +42,7 @@ import numpy as np
 from .cifar10 import CIFAR10_CLASSES, CIFAR10_FILE
 from .datafolder import MANIFEST_NAME
 from .digits import FEDBN_PRESPLIT_KEY, REAL_DIGIT_DOMAINS
+from .morpho import MORPHO_FILES
 from .domain import DataError
 from .objects import (DEFAULT_SIZE, DOMAINNET, OFFICE_CALTECH10, ArraysOnlyUnpickler, ObjectDataset, RawImages,
                       check_size, load_fedbn_pair)
@@ -741,6 +742,36 @@ def prepare_domainnet(data_dir: Path, *, raw_dir: Path | None = None, download: 
 # --- command line ----------------------------------------------------------------------------------
 
 
+# --- Morpho-MNIST (FedBN App. G's unseen-domain clients) ------------------------------------------------------
+
+
+def _morpho_preparer(kind: str) -> Callable[..., Path]:
+    """``prepare_morpho_<kind>``: ``digits/morpho_<kind>.npz`` from the authors' dataset zip (see
+    :mod:`fednorm.data.morpho`), downloaded into ``raw_dir`` (default ``data_dir/raw/morpho``) if absent."""
+    import zipfile
+
+    from .morpho import MORPHO_URLS, read_morpho_zip, zip_name
+
+    def prepare(data_dir: Path, *, raw_dir: Path | None = None, download: bool = True, progress: bool = True) -> Path:
+        data_dir = Path(data_dir)
+        raw_dir = Path(raw_dir) if raw_dir is not None else data_dir / "raw" / "morpho"
+        src = RawFile(MORPHO_URLS[kind], zip_name(kind))
+        by_hand = (f"Download the '{kind}' dataset zip of github.com/dccastro/Morpho-MNIST ({src.url}) and save it "
+                   f"as {{raw_dir}}/{src.filename}.")
+        placed = (raw_dir / src.filename).is_file()
+        archive = _fetch(src, raw_dir, download=download, progress=progress, hint=by_hand)
+        if not placed and not zipfile.is_zipfile(archive):
+            archive.unlink()  # Drive's quota or confirmation page, not the zip: nothing worth keeping
+            raise DataError(f"{src.url} answered with a page, not the zip (Google Drive's quota or confirmation "
+                            "step). " + by_hand.format(raw_dir=raw_dir))
+        name = f"morpho_{kind}"
+        return write_dataset_file(data_dir, MORPHO_FILES[name], read_morpho_zip(archive, kind), key=name,
+                                  source=_describe(src, archive))
+
+    prepare.__name__ = prepare.__qualname__ = f"prepare_morpho_{kind}"
+    return prepare
+
+
 def _medical_preparers() -> dict[str, Callable]:
     """The ``prepare_*`` of every dataset of :data:`fednorm.data.medical.MEDICAL_DATASETS`: same call
     ``(data_dir, *, raw_dir, download, progress)``; each raises a :class:`DataError` saying what to
@@ -752,6 +783,7 @@ def _medical_preparers() -> dict[str, Callable]:
 
 PREPARERS = {"svhn": prepare_svhn, "synthdigits": prepare_synthdigits, "cifar10": prepare_cifar10,
              "cifar10c": prepare_cifar10c, "office_caltech10": prepare_office_caltech10, "domainnet": prepare_domainnet,
+             "morpho_global": _morpho_preparer("global"), "morpho_local": _morpho_preparer("local"),
              **_medical_preparers()}
 # Preparers that write one file per domain and take size= and domains=.
 OBJECT_PREPARERS = ("office_caltech10", "domainnet")
@@ -762,7 +794,7 @@ MEDICAL_SITE_OPTIONS = {"prostate": "sites", "nuclei": "clients", "fed_isic2019"
 # Other preparers that write one file per domain and take --domains, with their keyword: CIFAR-10-C's corruptions.
 PART_OPTIONS = {**MEDICAL_SITE_OPTIONS, "cifar10c": "corruptions"}
 MEDICAL_PREPARERS = tuple(name for name in PREPARERS if name not in ("svhn", "synthdigits", "cifar10", "cifar10c")
-                          and name not in OBJECT_PREPARERS)
+                          and name not in OBJECT_PREPARERS and not name.startswith("morpho_"))
 
 
 def preparer_for(domain: str) -> str | None:
@@ -788,7 +820,7 @@ def prepare_command(relpath: str, data_dir: Path | str) -> str | None:
     path = PurePosixPath(str(relpath).replace("\\", "/"))
     top, stem = path.parts[0], path.stem
     name, options = None, ""
-    for dataset, file in DIGIT_FILES.items():
+    for dataset, file in {**DIGIT_FILES, **MORPHO_FILES}.items():
         if path.as_posix() == file:
             name = dataset
     if top in OBJECT_PREPARERS and "_" in stem:
