@@ -29,7 +29,7 @@ def _sets(rng, kind: str, n_train: int = 12, n_test: int = 5) -> dict[str, np.nd
     out = {}
     for split, n in (("train", n_train), ("t10k", n_test)):
         out[f"{split}-images-idx3-ubyte.gz"] = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
-        out[f"{split}-labels-idx1-ubyte.gz"] = rng.integers(0, 10, n, dtype=np.uint8)
+        out[f"{split}-labels-idx1-ubyte.gz"] = rng.permutation(np.arange(n) % 10).astype(np.uint8)  # every digit
         out[f"{split}-pert-idx1-ubyte.gz"] = rng.choice(np.array(codes, dtype=np.uint8), n)
     return out
 

@@ -327,6 +327,34 @@ def test_external_data_all_scores_every_image_of_the_external_domain():
     assert whole[0].meta["external"] and len(whole[0].train) == 0  # loaded once: no protocol split kept beside it
 
 
+def test_prepared_morpho_sets_score_as_unseen_clients_of_a_digits_federation(tmp_path):
+    """FedBN App. G (Table 17): Morpho-MNIST sets, prepared from zips in the authors' format, are external clients
+    of a digits run, scored under each mode on their test split; the paper's rows sit under those columns."""
+    import numpy as np
+
+    from fednorm.data.prepare import prepare_dataset
+
+    from ..data.test_morpho import _sets, _zip
+
+    data = tmp_path / "data"
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for k, kind in enumerate(("global", "local")):
+        _zip(raw / f"morpho_{kind}.zip", _sets(np.random.default_rng(k), kind, n_train=40, n_test=10), f"{kind}/")
+        prepare_dataset(f"morpho_{kind}", data, raw_dir=raw, download=False, progress=False)
+    cfg = tiny_config("methods=[fedavg, fedbn]", "external.domains=[morpho_global, morpho_local]",
+                      "external.modes=[global, fedbn_average]", "federation.rounds=2")
+    (fedavg, fedbn) = start_run(cfg, tmp_path / "run", data_dir=str(data))
+    for r in (fedavg, fedbn):
+        scored = {c["name"]: c["test"]["n"] for c in r.summary["clients"] if c.get("external")}
+        # 50 images each, the protocol's stratified 80/20 re-split: 10 scored
+        assert scored == {f"morpho_{k}:{m}": 10 for k in ("global", "local") for m in ("global", "fedbn_average")}
+    from fednorm.runs.config import load_config
+
+    table17 = load_config("fedbn_digits_unseen")
+    assert set(table17.paper["fedbn"]) == {"morpho_global:fedbn_average", "morpho_local:fedbn_average"}
+
+
 def test_external_domain_is_reported_per_mode_and_left_out_of_the_average(tmp_path):
     cfg = tiny_config("methods=[fedavg, fedbn, perfedavg]", "external.domains=[rendered/street]")
     results = start_run(cfg, tmp_path / "run")
