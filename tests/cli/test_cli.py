@@ -103,6 +103,39 @@ def test_report_sample_std_over_two_seeds(tmp_path):
     assert "best round, mean (population std)" in best.output, best.output
 
 
+def test_report_plot_draws_each_row_across_run_folders(tmp_path, monkeypatch):
+    """One run folder per method (as the FBN full-protocol cells): `report A B --plot` draws both rows in one
+    figure, each the mean over its seeds of the clients' mean test score, ending at the table's Avg."""
+    import matplotlib.pyplot as plt
+
+    from fednorm.runs import plots, store
+
+    from ..runs.test_plots import _cell
+
+    for folder, method, accs in (("a", "fbn", ({1: 0.5, 2: 0.7}, {1: 0.3, 2: 0.5})),
+                                 ("b", "naive_bn", ({1: 0.4, 2: 0.6}, {1: 0.2, 2: 0.2}))):
+        for seed, curve in enumerate(accs):
+            _cell(tmp_path / folder, method, seed, curve)
+            clients = [{"name": c, "origin": "real", "test": {"final_acc": curve[2]}} for c in "ab"]
+            (store.cell_dir(tmp_path / folder, method, seed) / "summary.json").write_text(
+                json.dumps({"method": method, "seed": seed, "clients": clients}))
+    drawn = []
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **k: drawn.append((fig, path)))
+    spy = []
+    real = plots.row_curves
+    monkeypatch.setattr(plots, "row_curves", lambda cells: spy.append(real(cells)) or spy[-1])
+    out = tmp_path / "figs" / "both.png"
+    result = runner.invoke(app, ["report", str(tmp_path / "a"), str(tmp_path / "b"), "--plot", str(out)])
+    assert result.exit_code == 0, result.output
+    (fig, path), = drawn
+    assert str(path) == str(out) and fig.get_suptitle() == "a, b"
+    curves, score = spy[0]
+    assert curves["acc"] == {"fbn": pytest.approx({1: 0.4, 2: 0.6}), "naive_bn": pytest.approx({1: 0.3, 2: 0.4})}
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["fbn", "naive_bn"]
+    assert "| fbn | 2 | 60.00 (10.00) | 60.00 (10.00) | 60.00 (10.00) |" in runner.invoke(
+        app, ["report", str(tmp_path / "a"), "--markdown"]).output  # the curve's last point is the table's Avg
+
+
 def test_report_avg_std_across_clients(tmp_path):
     """--avg-std clients: Avg's std is the sample std across the clients' means over seeds (HarmoFL's tables)."""
     for seed, accs in ((0, (0.80, 0.60)), (1, (0.90, 0.70))):

@@ -233,6 +233,9 @@ def report(
     split_by: Optional[str] = typer.Option(None, "--split-by", help="a config key (e.g. federation.channels_last): "
                                            "one row per method and value of that key, to compare runs that differ "
                                            "in it (otherwise a (method, seed) found twice counts once)"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="also write a PNG of the rows' curves: mean test score "
+                                        "over the clients and training loss by round, mean over each row's seeds "
+                                        "(comparison.png across run folders)"),
 ) -> None:
     """Mean (std) over seeds per client and on average, in the papers' table layout. Folders without a
     finished cell (a run still going, e.g. matched by a glob) are skipped with a warning; duplicates, rows that
@@ -267,6 +270,15 @@ def report(
         console.print(f"{title}\n\n{table.markdown()}", highlight=False, markup=False, soft_wrap=True)
     else:
         _print_table(table, title)
+    if plot is not None:
+        from ..runs.plots import draw_comparison, row_curves
+
+        curves, score = row_curves([(s["method"], cell) for s, cell in zip(found.summaries, found.cells)
+                                    if s["method"] in table.rows])
+        names = ", ".join(dict.fromkeys(Path(d).resolve().name for d in run_dirs))
+        written = draw_comparison(curves, score, names if len(names) <= 100 else names[:97] + "...", plot)
+        err_console.print(f"curves: {written}" if written else "no curves: the cells recorded no test score",
+                          highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -83,10 +83,15 @@ def comparison_curves(run_dir: Path, cells: list[tuple[str, int]]) -> tuple[dict
 
     A seed that stopped early (diverged) keeps its last test score in the later rounds of the others, as the
     table keeps its last finite model: the last point is the table's Avg, not a mean over fewer seeds."""
+    return row_curves([(label, store.cell_dir(run_dir, label, seed)) for label, seed in cells])
+
+
+def row_curves(cells: list[tuple[str, Path]]) -> tuple[dict[str, dict[str, dict[int, float]]], str]:
+    """:func:`comparison_curves` over (row label, cell folder) pairs from any run folders (``fednorm report
+    --plot``): the seeds of a row are the cells given under its label."""
     per_seed: dict[str, dict[str, list[dict[int, float]]]] = {"acc": defaultdict(list), "loss": defaultdict(list)}
     score = "accuracy"
-    for label, seed in cells:
-        cell = store.cell_dir(run_dir, label, seed)
+    for label, cell in cells:
         records = store.read_metrics(cell / store.METRICS_FILE)
         score = _score(records)
         external = store.external_clients(cell)  # never trained: the table's Avg leaves them out, so does the curve
@@ -116,8 +121,14 @@ def comparison_curves(run_dir: Path, cells: list[tuple[str, int]]) -> tuple[dict
 def plot_comparison(run_dir: Path, cells: list[tuple[str, int]]) -> None:
     """comparison.png: mean-over-clients test accuracy and training loss per method (mean over seeds)."""
     curves, score = comparison_curves(run_dir, cells)
+    draw_comparison(curves, score, Path(run_dir).resolve().name, Path(run_dir) / "comparison.png")
+
+
+def draw_comparison(curves: dict[str, dict[str, dict[int, float]]], score: str, title: str, path: Path) -> Path | None:
+    """The two panels of comparison.png (test score and training loss per row, by round) under ``title``, written
+    to ``path``; None (nothing written) when no row has a test score."""
     if not curves["acc"]:
-        return
+        return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, kind, ylabel in ((axes[0], "acc", f"mean test {score} over clients (%)"),
                              (axes[1], "loss", "mean training loss over clients")):
@@ -131,8 +142,8 @@ def plot_comparison(run_dir: Path, cells: list[tuple[str, int]]) -> None:
             ax.legend()
         else:  # e.g. every cell diverged in its first round: test scores were recorded, no finite training loss
             ax.text(0.5, 0.5, "none recorded", ha="center", va="center", transform=ax.transAxes)
-    _run_title(fig, run_dir)
-    save_figure(fig, Path(run_dir) / "comparison.png")
+    fig.suptitle(title, fontsize=10)
+    return save_figure(fig, path)
 
 
 DIAGNOSTICS = (("drift", "train", "mean client drift Γ (HarmoFL Eq. 9)"),

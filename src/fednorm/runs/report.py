@@ -297,6 +297,7 @@ class Collected:
     """The finished cells of several folders, each (method, seed) once, and what a reader must know about them."""
 
     summaries: list[dict] = field(default_factory=list)
+    cells: list[Path] = field(default_factory=list)  # the folder of each summary, in the same order
     paper: dict[str, dict[str, float]] = field(default_factory=dict)
     paper_sources: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # duplicates dropped, rows mixing settings, unfinished cells
@@ -419,6 +420,7 @@ def collect_runs(run_dirs: list[Path], split_by: str | None = None, best_from_me
                 continue
             seen[key] = (cell, config, s)
             out.summaries.append(s)
+            out.cells.append(cell)
             # seeds of one row from runs that differ (another lr, fewer rounds): averaged together, so say so
             row_run, row_config, row_seed, row_rounds = rows.setdefault(
                 s["method"], (run_dir, config, s["seed"], s.get("rounds")))
