@@ -17,7 +17,7 @@ from fednorm.methods.local_update import LocalTraining, train_locally
 from fednorm.methods.tasks import CLASSIFICATION
 from fednorm.runs import store
 from fednorm.runs.config import load_config
-from fednorm.runs.runner import build_engine, build_federation_data, start_run
+from fednorm.runs.runner import build_engine, build_federation_data, load_cell_state, start_run
 
 from ..conftest import make_split
 from ..runs.test_runner import TINY
@@ -208,3 +208,38 @@ def test_landscape_command_draws_a_finished_cell_at_another_span(tmp_path):
     assert (tmp_path / "run" / "fedavg" / "seed0" / "landscape-span8.png").exists()
     bad = CliRunner().invoke(app, ["landscape", str(tmp_path / "run"), "--method", "fedprox"])
     assert bad.exit_code == 2 and "no method labelled 'fedprox'" in bad.output
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedbn"])
+def test_bn_stats_command_compares_each_clients_data_statistics_with_the_running_ones(tmp_path, method):
+    """FedWon Fig. 1b: per client, the mean / variance per channel of the BN input over its own training data, at
+    its own model, beside the running statistics held (the server's under FedAvg, the client's under FedBN)."""
+    start_run(load_config("default", TINY + ["federation.rounds=2", f"methods=[{method}]"]), tmp_path / "run")
+    out = CliRunner().invoke(app, ["bn-stats", str(tmp_path / "run"), "--layers", "features.1,features.5"])
+    assert out.exit_code == 0, out.output
+    cell = tmp_path / "run" / method / "seed0"
+    assert (cell / "bn_statistics.png").exists()
+    result = json.loads((cell / "bn_statistics.json").read_text())
+    assert result["layers"] == ["features.1", "features.5"]
+    config = load_config(str(tmp_path / "run" / "config.yaml"))
+    engine = build_engine(config, config.methods[0], 0, build_federation_data(config, None))
+    load_cell_state(engine, cell / "checkpoint.pt", "test", client_state=True)
+    for client in engine.clients:
+        # independently: the first BN layer's input is the first convolution's output, whatever the BN statistics
+        engine.load_client(client.name)
+        with torch.no_grad():
+            h = engine.model.features[0](engine.runner.evaluation_prepare(None)(client.train.x).float())
+        mine = result["clients"][client.name]
+        torch.testing.assert_close(torch.tensor(mine["data"]["features.1"]["mean"], dtype=torch.float64), h.mean((0, 2, 3)).double(),
+                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(mine["data"]["features.1"]["var"], dtype=torch.float64),
+                                   h.var((0, 2, 3), unbiased=False).double(), rtol=1e-3, atol=1e-5)
+        held = engine.model.features[1].running_mean.double()
+        torch.testing.assert_close(torch.tensor(mine["stored"]["features.1"]["mean"], dtype=torch.float64), held)
+    if method == "fedavg":  # one shared model: every client holds the server's running statistics
+        assert all(c["stored"] == result["server"] for c in result["clients"].values())
+    else:  # FedBN: each client its own, none the server's untouched initial ones
+        stored = [c["stored"]["features.1"]["mean"] for c in result["clients"].values()]
+        assert stored[0] != stored[1] and result["server"]["features.1"]["mean"] == [0.0] * len(stored[0])
+    bad = CliRunner().invoke(app, ["bn-stats", str(tmp_path / "run"), "--layers", "features.0"])
+    assert bad.exit_code == 2 and "no BatchNorm layer named features.0" in bad.output

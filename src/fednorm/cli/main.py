@@ -302,6 +302,28 @@ def landscape(
     console.print(f"landscape: {path}")
 
 
+@app.command("bn-stats")
+def bn_stats(
+    run_dir: Path = typer.Argument(..., help="a run folder written by `fednorm run`"),
+    method: Optional[str] = typer.Option(None, "--method", help="method label (default: the run's first)"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="seed (default: the run's first)"),
+    layers: Optional[str] = typer.Option(None, "--layers", help="BN layers by module path, comma-separated "
+                                         "(default: the model's last two, as FedWon Fig. 1b)"),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="data folder, if it moved since the run"),
+) -> None:
+    """Each client's BN statistics of its own data against the running statistics the model holds (the server's,
+    or each client's under FedBN), per channel (FedWon Fig. 1b / Fig. 12), from the cell's last checkpoint:
+    bn_statistics.png and .json in the cell folder."""
+    from ..diagnostics.bn_statistics import bn_statistics_of_cell
+
+    chosen = [name.strip() for name in layers.split(",") if name.strip()] if layers else None
+    try:
+        path = bn_statistics_of_cell(run_dir, method, seed, data_dir, chosen)
+    except (*_USER_ERRORS, ValueError) as exc:
+        _fail(exc)
+    console.print(f"BN statistics: {path}")
+
+
 @app.command("external-ablation")
 def external_ablation(
     run_dir: Path = typer.Argument(..., help="a finished run folder with external clients (external.domains)"),

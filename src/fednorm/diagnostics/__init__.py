@@ -9,4 +9,6 @@
   spanned by filter-normalized random directions (Li et al. 2018).
 
 Switched on by the config's ``diagnostics`` section; ``fednorm landscape RUN`` draws the slices of a finished run.
+``fednorm bn-stats RUN`` (:mod:`.bn_statistics`, FedWon Fig. 1b / 12) compares each client's BN statistics of its
+own data with the running statistics the model holds.
 """

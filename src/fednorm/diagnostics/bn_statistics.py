@@ -1,0 +1,110 @@
+"""BatchNorm statistics per client against the server's (FedWon Fig. 1b / Fig. 12; FedBN's motivation).
+
+FedWon shows the channel-wise running mean and variance of BN layers differing strongly between two clients of
+different domains, and between a client and the server, for a model trained by FedAvg: the statistics the server
+averages describe no client. :func:`bn_statistics` measures that on any BN model of an engine: for each client,
+the population statistics (mean and biased variance per channel, what BN normalizes with in training) of its own
+training data through its own model at the final weights (global state plus its local state), beside the running
+statistics the model holds (the server's for a method that shares BN, each client's own under FedBN / SiloBN).
+``fednorm bn-stats RUN`` draws them from a finished cell's checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..methods.external import bn_layers
+
+
+def bn_statistics(engine, layers: list[str] | None = None) -> dict:
+    """``{"layers": [...], "server": {layer: {mean, var}}, "clients": {name: {"data": {layer: {mean, var}},
+    "stored": {layer: {mean, var}}}}}`` (lists of floats per channel) for the engine's current state; ``layers``
+    names BN layers by their module path (default: every BN layer)."""
+    names = list(bn_layers(engine.model))
+    layers = names if layers is None else layers
+    unknown = [n for n in layers if n not in names]
+    if unknown:
+        raise ValueError(f"no BatchNorm layer named {', '.join(unknown)}; the model's are {', '.join(names)}")
+
+    def stats(state_or_model) -> dict[str, dict[str, list[float]]]:
+        out = {}
+        for name in layers:
+            if isinstance(state_or_model, dict):
+                mean, var = state_or_model[f"{name}.running_mean"], state_or_model[f"{name}.running_var"]
+            else:
+                layer = bn_layers(state_or_model)[name]
+                mean, var = layer.running_mean, layer.running_var
+            out[name] = {"mean": mean.double().tolist(), "var": var.double().tolist()}
+        return out
+
+    prepare = engine.runner.evaluation_prepare(engine.input_state)
+    result = {"layers": layers, "server": stats(engine.global_state), "clients": {}}
+    for client in engine.clients:
+        engine.load_client(client.name)
+        stored = stats(engine.model)
+        engine.recompute_bn_statistics(client, prepare)  # the population statistics of its own training data
+        result["clients"][client.name] = {"data": stats(engine.model), "stored": stored}
+    return result
+
+
+def plot_bn_statistics(result: dict, path: Path, title: str, shared: bool) -> Path:
+    """One row per layer, mean and variance per channel: each client's data statistics (solid) and the running
+    statistics held: the server's (black, dashed) when BN is shared, each client's own (dotted) when it is local."""
+    from ..figures import pyplot, save_figure
+
+    plt = pyplot()
+    layers = result["layers"]
+    fig, axes = plt.subplots(len(layers), 2, figsize=(11, 3 * len(layers)), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for row, layer in zip(axes, layers):
+        for ax, key in zip(row, ("mean", "var")):
+            for i, (client, entry) in enumerate(result["clients"].items()):
+                colour = colours[i % len(colours)]
+                ax.plot(entry["data"][layer][key], color=colour, lw=1, label=f"{client}: its data")
+                if not shared:
+                    ax.plot(entry["stored"][layer][key], color=colour, lw=1, ls=":", label=f"{client}: its running")
+            if shared:
+                ax.plot(result["server"][layer][key], color="black", lw=1.2, ls="--", label="server: running")
+            ax.set_title(f"{layer}: {'mean' if key == 'mean' else 'variance'} per channel", fontsize=9)
+            ax.set_xlabel("channel")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    return save_figure(fig, path)
+
+
+def bn_statistics_of_cell(run_dir: Path, label: str | None = None, seed: int | None = None,
+                          data_dir: str | None = None, layers: list[str] | None = None) -> Path:
+    """``fednorm bn-stats``: :func:`bn_statistics` of one cell from its last checkpoint, written as
+    ``bn_statistics.json`` and ``bn_statistics.png`` in the cell folder (default layers: the last two BN layers,
+    as FedWon Fig. 1b shows its CNN's 4th and 5th); returns the PNG's path."""
+    from ..runs import store
+    from ..runs.runner import (RunError, build_engine, build_federation_data, load_cell_state, load_run_config,
+                               resume_command, run_data_dir)
+
+    run_dir = Path(run_dir)
+    config = load_run_config(run_dir)
+    labels = [m.display for m in config.methods]
+    label = label or labels[0]
+    if label not in labels:
+        raise RunError(f"{run_dir} has no method labelled {label!r}; it has {', '.join(labels)}")
+    seed = config.seeds[0] if seed is None else seed
+    cell = store.cell_dir(run_dir, label, seed)
+    checkpoint = cell / store.CHECKPOINT_FILE
+    if not checkpoint.exists():
+        raise RunError(f"{cell} has no checkpoint: run or resume the cell first ({resume_command(run_dir)})")
+    engine = build_engine(config, config.methods[labels.index(label)], seed,
+                          build_federation_data(config, run_data_dir(run_dir, config, data_dir)))
+    names = list(bn_layers(engine.model))
+    if not names:
+        raise RunError(f"{label} has no BatchNorm layer: there are no BN statistics to compare")
+    load_cell_state(engine, checkpoint, "fednorm bn-stats", client_state=True)
+    with torch.no_grad():
+        result = bn_statistics(engine, layers or names[-2:])
+    (cell / "bn_statistics.json").write_text(store.dumps(result))
+    shared = not any(k.endswith("running_mean") for k in engine.local_keys)
+    return plot_bn_statistics(result, cell / "bn_statistics.png",
+                              f"{label}, seed {seed}, round {engine.round}: BN statistics of each client's data "
+                              f"against the {'server' if shared else 'clients'}' running statistics", shared)
