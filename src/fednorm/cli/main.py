@@ -495,12 +495,15 @@ def data_show(
                                     "histograms (FedBN Fig. 6: 100; 0 = all)"),
     linear_hist: bool = typer.Option(False, "--linear-hist", help="linear y axis for the pixel histograms (default "
                                      "logarithmic: the background spike of digits flattens the rest)"),
+    amplitude_norm: bool = typer.Option(False, "--amplitude-norm", help="also <stem>_ampnorm.png: sample images before "
+                                        "and after HarmoFL's amplitude normalization with the domains' averaged "
+                                        "amplitude (HarmoFL Fig. 8)"),
 ) -> None:
     """Image counts per split and class of each domain, a PNG grid of sample images per domain, and the
     domains' per-channel pixel histograms on one PNG next to it (FedBN's Fig. 6)."""
     from ..data.datafolder import resolve_data_dir
     from ..data.federation import is_rendered
-    from ..data.show import histogram_figure, output_paths, pixel_histogram, sample_grid, view_domain
+    from ..data.show import amplitude_figure, histogram_figure, output_paths, pixel_histogram, sample_grid, view_domain
 
     try:
         grids, hist_png = output_paths(domains, out)
@@ -512,6 +515,9 @@ def data_show(
             views.append(view)
             hists.append(pixel_histogram(view, max_images=hist_images, seed=seed))
         histogram_figure(hists, hist_png, log=not linear_hist)
+        amp_png = hist_png.with_name(hist_png.name.removesuffix("_hist.png") + "_ampnorm.png")
+        if amplitude_norm:
+            amplitude_figure(views, amp_png, seed=seed)
     except (DataError, ValueError) as exc:
         _fail(exc)
     for domain, view, png in zip(domains, views, grids):
@@ -532,6 +538,8 @@ def data_show(
         console.print(f"sample grid: {png}", highlight=False)
     console.print(f"pixel histograms ({', '.join(f'{h.domain}: {h.images} {h.split} images' for h in hists)}): "
                   f"{hist_png}", highlight=False, soft_wrap=True)
+    if amplitude_norm:
+        console.print(f"amplitude normalization: {amp_png}", highlight=False)
 
 
 

@@ -232,3 +232,45 @@ def output_paths(domains: list[str], out: Path | None = None) -> tuple[list[Path
     if len(stem) > 120:
         stem = "domains"
     return [Path(_slug(d) + ".png") for d in domains], Path(stem + "_hist.png")
+
+
+def amplitude_figure(views: list[DomainView], out: Path, *, images: int = 6, amplitude_images: int = HIST_IMAGES,
+                     seed: int = 0) -> Path:
+    """HarmoFL Fig. 8: ``images`` training images of each domain as they are (top row) and after amplitude
+    normalization (bottom row): each image rebuilt from its own phase and the domains' averaged amplitude (Eq. 4,
+    full spectrum), that amplitude being the uniform mean (Alg. 1 line 17) of each domain's mean amplitude over a
+    seeded sample of ``amplitude_images`` of its training images, on [0, 1] pixels (HarmoFL's ToTensor input).
+    The rebuilt images leave [0, 1] a little; they are clipped for display only."""
+    from ..methods.amplitude import amplitude, average_amplitudes, swap_amplitude
+
+    if not views:
+        raise ValueError("name at least one domain")
+    shapes = {tuple(v.splits[_shown_split(v)].x.shape[1:]) for v in views}
+    if len(shapes) > 1:
+        raise ValueError(f"amplitude normalization needs one image shape (C x H x W) across the domains shown, got "
+                         f"{', '.join(str(s) for s in sorted(shapes))}")
+    shown, means = [], []
+    for view in views:
+        split = _shown_split(view)
+        n = len(view.splits[split])
+        rng = np.random.default_rng(seed)
+        sample = torch.from_numpy(np.sort(rng.permutation(n)[:min(n, amplitude_images or n)]).astype(np.int64))
+        means.append(amplitude(preview_images(view, split, sample, seed).double() / 255).mean(0))
+        shown.append(preview_images(view, split, sample[:images], seed).double() / 255)
+    target = average_amplitudes(means)
+    plt = pyplot()
+    cols = max(len(x) for x in shown)
+    fig, axes = plt.subplots(2 * len(views), cols, figsize=(1.3 * cols, 2.8 * len(views)), squeeze=False)
+    for d, (view, x) in enumerate(zip(views, shown)):
+        for row, images_ in ((2 * d, x), (2 * d + 1, swap_amplitude(x, target).clamp(0, 1))):
+            for j in range(cols):
+                ax = axes[row][j]
+                ax.axis("off")
+                if j < len(images_):
+                    img = images_[j].permute(1, 2, 0).numpy()
+                    ax.imshow(img[..., 0] if img.shape[-1] == 1 else img, cmap="gray" if img.shape[-1] == 1 else None,
+                              vmin=0, vmax=1)
+            axes[row][0].set_title(f"{view.spec.name}: {'original' if row == 2 * d else 'AmpNorm'}", fontsize=8,
+                                   loc="left")
+    fig.suptitle("HarmoFL amplitude normalization with the domains' averaged amplitude (Fig. 8)", fontsize=10)
+    return save_figure(fig, out, dpi=100)
