@@ -38,7 +38,8 @@ def main() -> None:
 
     curves = {m: [synthetic_run(m, steps=args.steps, seed=s) for s in args.seeds] for m in ("fedavg", "fedbn")}
     shown = [s for s in REPORT_STEPS if s <= args.steps]
-    print(f"\nApp. F / Fig. 9: training loss (mean over the 2 clients) after step t, and the final test accuracy; "
+    print(f"\nApp. F / Fig. 9: training loss (mean over the 2 clients) of step t (its forward pass, before the "
+          f"update), and the final test accuracy; "
           f"mean (population std) over seeds {args.seeds}\n")
     print("| method | " + " | ".join(f"loss, t = {s}" for s in shown) + " | test acc (%) |")
     print("|---" * (len(shown) + 2) + "|")

@@ -167,6 +167,9 @@ def test_no_pool_size_cuts_each_domain_from_its_whole_training_split():
     assert usps.num_train == 743  # 7438 training images: the same as under the 7438 pool
     with pytest.raises(ValueError, match="positive int or None"):
         fedbn_domain_clients("usps", *_pool(), pool_size=0)
+    # a file prepared from FedBN's partitions holds their 7,438-image pool only: no whole split to cut from
+    with pytest.raises(ValueError, match=r"FedBN's partitions .*7438-image training pool only.*prepare svhn"):
+        fedbn_domain_clients("svhn", *_pool(), pool_size=None, presplit=7438)
 
 
 def test_many_clients_disjoint_cover_pool_share_test(usps_like):

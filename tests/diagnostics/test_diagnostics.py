@@ -214,7 +214,9 @@ def test_landscape_command_draws_a_finished_cell_at_another_span(tmp_path):
 def test_bn_stats_command_compares_each_clients_data_statistics_with_the_running_ones(tmp_path, method):
     """FedWon Fig. 1b: per client, the mean / variance per channel of the BN input over its own training data, at
     its own model, beside the running statistics held (the server's under FedAvg, the client's under FedBN)."""
-    start_run(load_config("default", TINY + ["federation.rounds=2", f"methods=[{method}]"]), tmp_path / "run")
+    # evaluation batches of 8: the statistics come from several batches, where a one-pass fold would be off
+    overrides = ["federation.rounds=2", f"methods=[{method}]", "federation.eval_batch_size=8"]
+    start_run(load_config("default", TINY + overrides), tmp_path / "run")
     out = CliRunner().invoke(app, ["bn-stats", str(tmp_path / "run"), "--layers", "features.1,features.5"])
     assert out.exit_code == 0, out.output
     cell = tmp_path / "run" / method / "seed0"
@@ -236,6 +238,18 @@ def test_bn_stats_command_compares_each_clients_data_statistics_with_the_running
                                    h.var((0, 2, 3), unbiased=False).double(), rtol=1e-3, atol=1e-5)
         held = engine.model.features[1].running_mean.double()
         torch.testing.assert_close(torch.tensor(mine["stored"]["features.1"]["mean"], dtype=torch.float64), held)
+        # the second BN layer: its input when the first normalizes with those exact statistics (by hand: BN in
+        # eval mode is (h - mean) / sqrt(var + eps) * weight + bias), then ReLU, pool, conv
+        bn = engine.model.features[1]
+        mean, var = h.mean((0, 2, 3)), h.var((0, 2, 3), unbiased=False)
+        z = (h - mean[:, None, None]) / torch.sqrt(var[:, None, None] + bn.eps) * bn.weight.detach()[:, None, None] \
+            + bn.bias.detach()[:, None, None]
+        with torch.no_grad():
+            g = engine.model.features[4](torch.nn.functional.max_pool2d(torch.relu(z), 2))
+        torch.testing.assert_close(torch.tensor(mine["data"]["features.5"]["mean"], dtype=torch.float64),
+                                   g.mean((0, 2, 3)).double(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(mine["data"]["features.5"]["var"], dtype=torch.float64),
+                                   g.var((0, 2, 3), unbiased=False).double(), rtol=1e-3, atol=1e-5)
     if method == "fedavg":  # one shared model: every client holds the server's running statistics
         assert all(c["stored"] == result["server"] for c in result["clients"].values())
     else:  # FedBN: each client its own, none the server's untouched initial ones

@@ -234,8 +234,8 @@ def report(
                                            "one row per method and value of that key, to compare runs that differ "
                                            "in it (otherwise a (method, seed) found twice counts once)"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="also write a PNG of the rows' curves: mean test score "
-                                        "over the clients and training loss by round, mean over each row's seeds "
-                                        "(comparison.png across run folders)"),
+                                        "over the clients and training loss by round, mean over each row's seeds, "
+                                        "to the final round (comparison.png across run folders)"),
 ) -> None:
     """Mean (std) over seeds per client and on average, in the papers' table layout. Folders without a
     finished cell (a run still going, e.g. matched by a glob) are skipped with a warning; duplicates, rows that

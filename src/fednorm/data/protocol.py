@@ -193,6 +193,12 @@ def fedbn_domain_clients(
     if pool_size is not None and (isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1):
         raise ValueError(f"pool_size must be a positive int or None (the whole training split), got {pool_size!r}")
 
+    if pool_size is None and presplit is not None:
+        raise ValueError(
+            f"domain {domain!r} was prepared from FedBN's partitions (--fedbn-dir): its file holds FedBN's "
+            f"{presplit}-image training pool only, not the dataset's whole training split that pool_size null asks "
+            f"for (FedBN App. E.6); prepare it from the official files (fednorm data prepare {domain}) or set a "
+            "pool_size")
     pool = Split(x, y)  # validates dtype and shapes
     train_idx, test_idx = pool_split(pool.y, seed, presplit)
     train_pool_idx = train_idx[:pool_size]

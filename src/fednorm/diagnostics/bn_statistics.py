@@ -4,7 +4,8 @@ FedWon shows the channel-wise running mean and variance of BN layers differing s
 different domains, and between a client and the server, for a model trained by FedAvg: the statistics the server
 averages describe no client. :func:`bn_statistics` measures that on any BN model of an engine: for each client,
 the population statistics (mean and biased variance per channel, what BN normalizes with in training) of its own
-training data through its own model at the final weights (global state plus its local state), beside the running
+training data through its own model at the final weights (global state plus its local state; exact layer by layer,
+:func:`population_statistics`), beside the running
 statistics the model holds (the server's for a method that shares BN, each client's own under FedBN / SiloBN).
 ``fednorm bn-stats RUN`` draws them from a finished cell's checkpoint.
 """
@@ -41,12 +42,49 @@ def bn_statistics(engine, layers: list[str] | None = None) -> dict:
 
     prepare = engine.runner.evaluation_prepare(engine.input_state)
     result = {"layers": layers, "server": stats(engine.global_state), "clients": {}}
+    last = max(names.index(n) for n in layers)
     for client in engine.clients:
         engine.load_client(client.name)
         stored = stats(engine.model)
-        engine.recompute_bn_statistics(client, prepare)  # the population statistics of its own training data
-        result["clients"][client.name] = {"data": stats(engine.model), "stored": stored}
+        data = population_statistics(engine.model, client.train, prepare, names[:last + 1],
+                                     engine.federation.eval_batch_size)
+        result["clients"][client.name] = {"data": {n: data[n] for n in layers}, "stored": stored}
     return result
+
+
+@torch.no_grad()
+def population_statistics(model, data, prepare, layers: list[str], batch_size: int = 500) -> dict:
+    """Exact population statistics (mean, biased variance per channel, float64) of each BN layer's input over
+    ``data``, layer by layer in ``layers``' order (module order, the forward order of a feed-forward model): one
+    pass per layer, the earlier layers normalizing with their exact statistics, set into the model as they are
+    found (it is left holding them). A single pass folding every layer at once (the engine's BN recalibration) is
+    exact for the first layer only: the deeper ones would see inputs normalized by statistics still moving."""
+    found = {}
+    model.eval()
+    by_name = bn_layers(model)
+    for name in layers:
+        layer = by_name[name]
+        sums: list[torch.Tensor] = []
+
+        def measure(module, inputs):
+            x = inputs[0].detach().double().transpose(0, 1).reshape(inputs[0].shape[1], -1)  # channels x values
+            part = torch.stack([torch.full((x.shape[0],), float(x.shape[1]), dtype=torch.float64), x.sum(1),
+                                (x * x).sum(1)])
+            sums.append(part if not sums else sums.pop() + part)
+
+        handle = layer.register_forward_pre_hook(measure)
+        try:
+            for start in range(0, len(data), batch_size):
+                model(prepare(data.x[start:start + batch_size]))
+        finally:
+            handle.remove()
+        count, total, squares = sums[0]
+        mean = total / count
+        var = (squares / count - mean * mean).clamp_min(0)
+        layer.running_mean.copy_(mean.to(layer.running_mean.dtype))
+        layer.running_var.copy_(var.to(layer.running_var.dtype))
+        found[name] = {"mean": mean.tolist(), "var": var.tolist()}
+    return found
 
 
 def plot_bn_statistics(result: dict, path: Path, title: str, shared: bool) -> Path:
