@@ -87,9 +87,10 @@ def population_statistics(model, data, prepare, layers: list[str], batch_size: i
     return found
 
 
-def plot_bn_statistics(result: dict, path: Path, title: str, shared: bool) -> Path:
+def plot_bn_statistics(result: dict, path: Path, title: str, shared: bool, max_channels: int = 64) -> Path:
     """One row per layer, mean and variance per channel: each client's data statistics (solid) and the running
-    statistics held: the server's (black, dashed) when BN is shared, each client's own (dotted) when it is local."""
+    statistics held: the server's (black, dashed) when BN is shared, each client's own (dotted) when it is local.
+    The first ``max_channels`` channels of a layer (all of them in the JSON), so the lines stay readable."""
     from ..figures import pyplot, save_figure
 
     plt = pyplot()
@@ -100,12 +101,16 @@ def plot_bn_statistics(result: dict, path: Path, title: str, shared: bool) -> Pa
         for ax, key in zip(row, ("mean", "var")):
             for i, (client, entry) in enumerate(result["clients"].items()):
                 colour = colours[i % len(colours)]
-                ax.plot(entry["data"][layer][key], color=colour, lw=1, label=f"{client}: its data")
+                ax.plot(entry["data"][layer][key][:max_channels], color=colour, lw=1, label=f"{client}: its data")
                 if not shared:
-                    ax.plot(entry["stored"][layer][key], color=colour, lw=1, ls=":", label=f"{client}: its running")
+                    ax.plot(entry["stored"][layer][key][:max_channels], color=colour, lw=1, ls=":",
+                            label=f"{client}: its running")
             if shared:
-                ax.plot(result["server"][layer][key], color="black", lw=1.2, ls="--", label="server: running")
-            ax.set_title(f"{layer}: {'mean' if key == 'mean' else 'variance'} per channel", fontsize=9)
+                ax.plot(result["server"][layer][key][:max_channels], color="black", lw=1.2, ls="--",
+                        label="server: running")
+            channels = len(result["server"][layer][key])
+            shown = "" if channels <= max_channels else f" (first {max_channels} of {channels})"
+            ax.set_title(f"{layer}: {'mean' if key == 'mean' else 'variance'} per channel{shown}", fontsize=9)
             ax.set_xlabel("channel")
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
@@ -143,6 +148,7 @@ def bn_statistics_of_cell(run_dir: Path, label: str | None = None, seed: int | N
         result = bn_statistics(engine, layers or names[-2:])
     (cell / "bn_statistics.json").write_text(store.dumps(result))
     shared = not any(k.endswith("running_mean") for k in engine.local_keys)
+    held = "the server's" if shared else "its own"
     return plot_bn_statistics(result, cell / "bn_statistics.png",
                               f"{label}, seed {seed}, round {engine.round}: BN statistics of each client's data "
-                              f"against the {'server' if shared else 'clients'}' running statistics", shared)
+                              f"against {held} running statistics", shared)
