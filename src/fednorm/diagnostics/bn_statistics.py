@@ -124,26 +124,12 @@ def bn_statistics_of_cell(run_dir: Path, label: str | None = None, seed: int | N
     ``bn_statistics.json`` and ``bn_statistics.png`` in the cell folder (default layers: the last two BN layers,
     as FedWon Fig. 1b shows its CNN's 4th and 5th); returns the PNG's path."""
     from ..runs import store
-    from ..runs.runner import (RunError, build_engine, build_federation_data, load_cell_state, load_run_config,
-                               resume_command, run_data_dir)
+    from ..runs.runner import RunError, cell_engine
 
-    run_dir = Path(run_dir)
-    config = load_run_config(run_dir)
-    labels = [m.display for m in config.methods]
-    label = label or labels[0]
-    if label not in labels:
-        raise RunError(f"{run_dir} has no method labelled {label!r}; it has {', '.join(labels)}")
-    seed = config.seeds[0] if seed is None else seed
-    cell = store.cell_dir(run_dir, label, seed)
-    checkpoint = cell / store.CHECKPOINT_FILE
-    if not checkpoint.exists():
-        raise RunError(f"{cell} has no checkpoint: run or resume the cell first ({resume_command(run_dir)})")
-    engine = build_engine(config, config.methods[labels.index(label)], seed,
-                          build_federation_data(config, run_data_dir(run_dir, config, data_dir)))
+    engine, label, seed, cell = cell_engine(run_dir, label, seed, data_dir, "fednorm bn-stats")
     names = list(bn_layers(engine.model))
     if not names:
         raise RunError(f"{label} has no BatchNorm layer: there are no BN statistics to compare")
-    load_cell_state(engine, checkpoint, "fednorm bn-stats", client_state=True)
     with torch.no_grad():
         result = bn_statistics(engine, layers or names[-2:])
     (cell / "bn_statistics.json").write_text(store.dumps(result))

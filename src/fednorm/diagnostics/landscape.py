@@ -148,24 +148,10 @@ def landscape_of_cell(run_dir: Path, label: str | None = None, seed: int | None 
     """Draw the landscape of one cell of a run folder from its last checkpoint (``fednorm landscape``); returns
     the PNG written into the cell folder (``landscape.png``, or ``landscape-span<s>.png`` for another span)."""
     from ..runs import store
-    from ..runs.runner import (RunError, build_engine, build_federation_data, load_cell_state, load_run_config,
-                               resume_command, run_data_dir)
+    from ..runs.runner import cell_engine
 
-    run_dir = Path(run_dir)
-    config = load_run_config(run_dir)
-    labels = [m.display for m in config.methods]
-    label = label or labels[0]
-    if label not in labels:
-        raise RunError(f"{run_dir} has no method labelled {label!r}; it has {', '.join(labels)}")
-    method_cfg = config.methods[labels.index(label)]
-    seed = config.seeds[0] if seed is None else seed
-    cell = store.cell_dir(run_dir, label, seed)
-    checkpoint = cell / store.CHECKPOINT_FILE
-    if not checkpoint.exists():
-        raise RunError(f"{cell} has no checkpoint: run or resume the cell first ({resume_command(run_dir)})")
-    engine = build_engine(config, method_cfg, seed,
-                          build_federation_data(config, run_data_dir(run_dir, config, data_dir)))
-    load_cell_state(engine, checkpoint, "fednorm landscape", client_state=True)  # each client's loss with its own BN
+    # each client's loss with its own BN
+    engine, label, seed, cell = cell_engine(run_dir, label, seed, data_dir, "fednorm landscape")
     result = landscape(engine, span=span, points=points, samples=samples, seed=seed)
     suffix = "" if span == 1.0 else f"-span{span:g}"
     (cell / f"landscape{suffix}.json").write_text(store.dumps(result))

@@ -526,6 +526,28 @@ def load_selected(path: Path) -> dict:
     return store.load_checkpoint(path)["state"]
 
 
+def cell_engine(run_dir: Path, label: str | None, seed: int | None, data_dir: str | None, command: str):
+    """An in-process engine holding one finished cell's last checkpoint, with each client's local state, for an
+    offline ``command`` (``fednorm landscape``, ``fednorm bn-stats``): ``(engine, label, seed, cell folder)``,
+    ``label`` and ``seed`` defaulting to the run's first. RunError for an unknown label or a cell without a
+    checkpoint."""
+    run_dir = Path(run_dir)
+    config = load_run_config(run_dir)
+    labels = [m.display for m in config.methods]
+    label = label or labels[0]
+    if label not in labels:
+        raise RunError(f"{run_dir} has no method labelled {label!r}; it has {', '.join(labels)}")
+    seed = config.seeds[0] if seed is None else seed
+    cell = store.cell_dir(run_dir, label, seed)
+    checkpoint = cell / store.CHECKPOINT_FILE
+    if not checkpoint.exists():
+        raise RunError(f"{cell} has no checkpoint: run or resume the cell first ({resume_command(run_dir)})")
+    engine = build_engine(config, config.methods[labels.index(label)], seed,
+                          build_federation_data(config, run_data_dir(run_dir, config, data_dir)))
+    load_cell_state(engine, checkpoint, command, client_state=True)
+    return engine, label, seed, cell
+
+
 def load_cell_state(engine, path: Path, command: str, client_state: bool) -> None:
     """Load a cell's ``checkpoint.pt`` or ``selected.pt`` (by its name) into an in-process ``engine`` for an offline
     ``command`` (``fednorm rescore``, ``fednorm landscape``, ``fednorm external-ablation``). ``client_state``:
