@@ -3,6 +3,7 @@
     python benchmarks/fbn_table.py            # markdown: final and best test accuracy per method and setting
     python benchmarks/fbn_table.py --by-step benchmarks/results/fbn/fbn_mnistm-gamma0   # one setting, by step
     python benchmarks/fbn_table.py --robust 0      # robust FBN vs robust naive BN at gamma 0 (the folder suffix: 0, 0.01, 0.1, 1)
+    python benchmarks/fbn_table.py --robust-full 0.01   # the same over the full-protocol cells (fbn_full_queue.sh)
     python benchmarks/fbn_table.py --summary <run folders>   # per method and seed: final, mean of the last 5 and
                                                    # 10 evaluations, best (first step at it); then means over seeds
     python benchmarks/fbn_table.py --heterogeneity # the paper's Fig. 3 / Fig. 5 as a table: final accuracy against
@@ -103,17 +104,27 @@ def _final_best(cell: Path) -> str:
     return text
 
 
-def robust(gamma: str, root: Path = ROOT) -> None:
+def robust(gamma: str, root: Path = ROOT, full: bool = False) -> None:
     """Robust FBN against robust naive BN at one gamma: the no-attack cells of fbn_mnistm-gamma<gamma> and
-    every attack folder fbn_robust_mnistm-<attack>-gamma<gamma>[-suffix] (rows: attack x aggregation)."""
-    print(f"gamma = {gamma}, f = 3 of 10; test accuracy % at the last step (best over the run where >= 0.5 higher)\n")
+    every attack folder fbn_robust_mnistm-<attack>-gamma<gamma>[-suffix] (rows: attack x aggregation).
+    ``full``: the full-protocol cells instead, one folder per cell, fbn_robust_mnistm-full-<attack>-gamma<gamma>-
+    <label> (benchmarks/fbn_full_queue.sh), the no-attack row from their own noattack cells (same precision)."""
+    protocol = "full protocol (width 1, T = 3000)" if full else "shortened protocol (width 0.5, T = 500)"
+    print(f"gamma = {gamma}, f = 3 of 10, {protocol}; test accuracy % at the last step (best over the run where "
+          ">= 0.5 higher)\n")
     print("| attack, aggregation of the statistics (parameters) | FBN | naive BN |\n| --- | --- | --- |")
-    clean = root / f"fbn_mnistm-gamma{gamma}"
-    print(f"| no attack, mean (mean) | {_final_best(clean / 'fbn' / 'seed0')} | "
-          f"{_final_best(clean / 'naive_bn' / 'seed0')} |")
+    if full:
+        clean_fbn = root / f"fbn_robust_mnistm-full-noattack-gamma{gamma}-fbn-mean" / "fbn-mean" / "seed0"
+        clean_naive = root / f"fbn_robust_mnistm-full-noattack-gamma{gamma}-naive-mean" / "naive-mean" / "seed0"
+    else:
+        clean_fbn, clean_naive = (root / f"fbn_mnistm-gamma{gamma}" / m / "seed0" for m in ("fbn", "naive_bn"))
+    print(f"| no attack, mean (mean) | {_final_best(clean_fbn)} | {_final_best(clean_naive)} |")
     for key, attack in ATTACKS.items():
-        folders = sorted(root.glob(f"fbn_robust_mnistm-{key}-gamma{gamma}")) + sorted(
-            root.glob(f"fbn_robust_mnistm-{key}-gamma{gamma}-*"))
+        if full:
+            folders = sorted(root.glob(f"fbn_robust_mnistm-full-{key}-gamma{gamma}-*"))
+        else:
+            folders = sorted(root.glob(f"fbn_robust_mnistm-{key}-gamma{gamma}")) + sorted(
+                root.glob(f"fbn_robust_mnistm-{key}-gamma{gamma}-*"))
         for defense, label in DEFENSES.items():
             fbn = [f / f"fbn-{defense}" / "seed0" for f in folders if (f / f"fbn-{defense}" / "seed0").exists()]
             naive = [f / f"naive-{defense}" / "seed0" for f in folders if (f / f"naive-{defense}" / "seed0").exists()]
@@ -233,6 +244,8 @@ def parse_args(argv: list[str] | None = None):
     mode.add_argument("--full", action="store_true", help="--heterogeneity over the full-protocol folders "
                       "(<preset>-full-<setting>[-seedN]-<method>)")
     mode.add_argument("--robust", metavar="GAMMA", help="robust FBN vs robust naive BN at one gamma (0, 0.01, ...)")
+    mode.add_argument("--robust-full", metavar="GAMMA", help="--robust over the full-protocol cells "
+                      "(fbn_robust_mnistm-full-<attack>-gamma<GAMMA>-<label>)")
     mode.add_argument("--summary", nargs="+", type=Path, metavar="RUN", help="per method and seed: final, mean of "
                       "the last 5 and 10 evaluations, best; then means over seeds")
     mode.add_argument("--by-step", nargs="+", type=Path, metavar="RUN", help="one setting's methods by step")
@@ -248,6 +261,8 @@ if __name__ == "__main__":
         heterogeneity(args.root, full=args.full)
     elif args.robust is not None:
         robust(args.robust, args.root)
+    elif args.robust_full is not None:
+        robust(args.robust_full, args.root, full=True)
     elif args.summary:
         summary(args.summary)
     elif args.by_step:

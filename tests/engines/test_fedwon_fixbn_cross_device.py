@@ -115,6 +115,9 @@ def test_fixbn_freezes_statistics_from_its_switch_round(tiny_clients, monkeypatc
 
 def test_fixbn_default_switch_is_half_the_rounds():
     assert resolve_method("fixbn").freeze_round(100) == 50
+    # half an odd number of rounds rounds up, whatever the parity of the neighbours (Python's round() would give 12 of
+    # 25 but 8 of 15)
+    assert [resolve_method("fixbn").freeze_round(r) for r in (25, 15, 3)] == [13, 8, 2]
     assert resolve_method("fixbn", freeze_bn_stats_at=30).freeze_round(100) == 30
 
 

@@ -268,6 +268,9 @@ def test_paper_rows_follow_the_setting_an_override_selects():
     # FBN's CIFAR-10 preset is gamma = 0 (naive BN 17 %); at gamma = 0.01 the paper's text has naive BN at 40 %
     assert load_config("fbn_cifar10").paper_for_setting()[0]["naive_bn"] == {"cifar10/train": 17.0}
     assert load_config("fbn_cifar10", ["data.gamma=0.01"]).paper_for_setting()[0] == {"naive_bn": {"cifar10/train": 40.0}}
+    # its MNIST-M stand-in quotes the same CIFAR-10 numbers per setting, under its own column
+    assert load_config("fbn_mnistm").paper_for_setting()[0]["naive_bn"] == {"mnistm": 17.0}
+    assert load_config("fbn_mnistm", ["data.gamma=0.01"]).paper_for_setting()[0] == {"naive_bn": {"mnistm": 40.0}}
 
 
 def test_a_paper_variant_keyed_on_an_unknown_setting_is_refused():

@@ -8,6 +8,8 @@ the same dataclass with other values, e.g. ``resolve_method("fedbn", prox_mu=0.0
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, replace
 
 from ..models.norm import check_norm
@@ -140,7 +142,10 @@ class Method:
         at = self.freeze_bn_stats_at
         if at is None:
             return None
-        return int(round(at * total_rounds)) if at < 1 else int(at)
+        # a fraction of the rounds rounded half up, as the engine's sampled clients C K: Python's round() halves to
+        # even, so 0.5 of 25 rounds was round 12 but 0.5 of 15 round 8 (before 2026-12-03: the recorded 25-round
+        # FixBN cells of benchmarks/fedwon.md froze from 0-based round 12, a run now from 13)
+        return math.floor(at * total_rounds + 0.5) if at < 1 else int(at)
 
     @property
     def stateful_clients(self) -> bool:
