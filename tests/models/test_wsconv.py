@@ -134,6 +134,42 @@ def test_convert_keeps_dtype_and_refuses_conv_subclasses_with_their_own_forward(
         convert_to_ws(nn.Sequential(nn.Identity(), nn.Sequential(SamePadConv(3, 4, 3))))
 
 
+def test_convert_refuses_norm_subclasses_with_their_own_forward_and_keeps_plain_ones():
+    """timm's BatchNormAct2d is a BatchNorm2d that applies an activation too: replacing it by Identity would drop the
+    activation without a word. A subclass that only changes the constructor normalizes as its base: removed."""
+
+    class BatchNormAct(nn.BatchNorm2d):
+        def forward(self, x):
+            return F.relu(super().forward(x))
+
+    class QuietBatchNorm(nn.BatchNorm2d):
+        def __init__(self, channels):
+            super().__init__(channels, momentum=0.01)
+
+    with pytest.raises(ValueError, match=r"'1\.1'.*BatchNormAct.*own forward"):
+        convert_to_ws(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Sequential(nn.Identity(), BatchNormAct(4))))
+    model = convert_to_ws(nn.Sequential(nn.Conv2d(3, 4, 3), QuietBatchNorm(4)))
+    assert isinstance(model[1], nn.Identity)
+
+
+def test_converted_torchvision_resnet18_trains():
+    """FedWon's conversion of a torchvision model (its ResNet-18) gives one that learns: a few optimizer steps fit a
+    fixed batch. (MobileNetV2 converted learns too, but needs more steps than a unit test should take.)"""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = convert_to_ws(torchvision.models.resnet18(num_classes=4))
+    x, y = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 3])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    first = F.cross_entropy(model(x), y).item()
+    for _ in range(5):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    last = F.cross_entropy(model(x), y).item()
+    assert last < 0.5 * first, (first, last)
+
+
 def test_convert_removes_every_norm_and_swaps_every_conv():
     torch.manual_seed(0)
     model = nn.Sequential(

@@ -104,13 +104,27 @@ def is_norm_layer(module: nn.Module) -> bool:
     return isinstance(module, NORM_LAYER_TYPES)
 
 
-def remove_norm_layers(model: nn.Module) -> nn.Module:
-    """Replace every normalization layer of ``model`` (in place) by ``nn.Identity``; returns the model."""
+def _own_forward(module: nn.Module) -> bool:
+    """True when ``module``'s forward is defined outside PyTorch / torchvision: a subclass that computes something
+    of its own (timm's BatchNormAct2d: BN then an activation)."""
+    return not type(module).forward.__module__.startswith(("torch.", "torchvision."))
+
+
+def remove_norm_layers(model: nn.Module, _prefix: str = "") -> nn.Module:
+    """Replace every normalization layer of ``model`` (in place) by ``nn.Identity``; returns the model. A norm
+    layer subclass with its own forward is refused (ValueError naming it): it may do more than normalize (timm's
+    BatchNormAct2d applies an activation too), which an Identity would silently drop."""
     for name, child in list(model.named_children()):
+        path = f"{_prefix}{name}"
         if is_norm_layer(child):
+            if _own_forward(child):
+                raise ValueError(f"norm layer {path!r} is a {type(child).__name__}, a {type(child).__mro__[1].__name__} "
+                                 "subclass with its own forward, which may do more than normalize (an activation, "
+                                 "a drop path); removing it would drop that too: replace it by its plain parts "
+                                 "(e.g. nn.BatchNorm2d followed by its activation) first")
             setattr(model, name, nn.Identity())
         else:
-            remove_norm_layers(child)
+            remove_norm_layers(child, f"{path}.")
     return model
 
 
