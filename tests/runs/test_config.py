@@ -2,7 +2,7 @@ import warnings
 
 import pytest
 
-from fednorm.runs.config import ConfigError, ConfigWarning, load_config, preset_names
+from fednorm.runs.config import ConfigError, ConfigWarning, ExperimentConfig, load_config, preset_names
 
 
 def test_default_preset_is_fedbn_against_fedavg_on_rendered_domains():
@@ -459,6 +459,26 @@ def test_held_out_type_builds_unifeds_fold_and_the_presets_list_their_folds():
                        ).external.domains == ["corrupt/fog/2/mnistm"]
     with pytest.raises(ConfigError, match="external.held_out_type: .* 'mnistm' is not one"):
         load_config("unifed_corrupt_external", ["external.held_out_type=blur", "data.domains=[mnistm]"])
+
+
+def test_held_out_domains_move_trained_domains_to_the_external_clients():
+    """Leave-one-domain-out: the held-out domain leaves data.domains and joins external.domains (after the ones
+    listed), so one preset gives every fold; a run folder's config, which holds the fold, re-validates unchanged."""
+    base = load_config("unifed_digits")
+    assert base.data.domains == ["mnist", "mnistm", "usps", "rendered/synth"]
+    fold = load_config("unifed_digits", ["external.held_out_domains=[usps]"])
+    assert fold.data.domains == ["mnist", "mnistm", "rendered/synth"]
+    assert fold.external.domains == ["semeion", "rendered/street", "usps"]
+    assert ExperimentConfig.model_validate(fold.model_dump()).model_dump() == fold.model_dump()
+    two = load_config("unifed_digits", ["external.domains=[]", "external.held_out_domains=[mnistm, mnist]"])
+    assert (two.data.domains, two.external.domains) == (["usps", "rendered/synth"], ["mnistm", "mnist"])
+    with pytest.raises(ConfigError, match=r"held_out_domains: \['svhn'\] are not in data.domains"):
+        load_config("unifed_digits", ["external.held_out_domains=[svhn]"])
+    with pytest.raises(ConfigError, match="leaves no domain to train on"):
+        load_config("unifed_digits", ["external.held_out_domains=[mnist, mnistm, usps, rendered/synth]"])
+    with pytest.raises(ConfigError, match="give one"):
+        load_config("unifed_corrupt_external", ["external.held_out_domains=[corrupt/fog/3/mnistm]",
+                                                "external.held_out_type=blur"])
 
 
 def test_an_empty_config_file_is_refused_not_run_as_the_defaults(tmp_path):

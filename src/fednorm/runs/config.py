@@ -588,6 +588,11 @@ class ExternalConfig(_Strict):
 
     domains: list[str] = Field(default_factory=list, description="domains of the external clients (their test "
                                "splits; e.g. the held-out domain of a leave-one-domain-out run)")
+    held_out_domains: list[str] = Field(
+        default_factory=list, description="a leave-domains-out fold: these domains of data.domains do not train "
+        "and are evaluated as external clients (appended to external.domains): UniFed's Camelyon17 split (hospitals "
+        "4-5 held out), FedBN App. G's unseen domain; one preset gives every fold, one domain held out per run "
+        "(--set external.held_out_domains=[usps])")
     held_out_type: Literal[tuple(UNIFED_TYPES)] | None = Field(  # type: ignore[valid-type]
         None, description="UniFed's leave-one-corruption-type-out fold: data.domains and external.domains become "
         "the corruptions of the other three types and of this one (noise, blur, weather, digital), of the set and "
@@ -871,6 +876,35 @@ class ExperimentConfig(_Strict):
             dataset["domains"], external["domains"] = corruption_type_fold(held, named)
         except ValueError as e:
             raise ValueError(f"external.held_out_type: {e}") from None
+        data["data"], data["external"] = dataset, external
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _domain_fold(cls, data: Any) -> Any:
+        """``external.held_out_domains`` takes those domains out of data.domains and appends them to
+        external.domains (a config that already holds the fold, a run folder's, re-validates unchanged)."""
+        if not isinstance(data, dict) or not isinstance(data.get("external"), dict) or \
+                not data["external"].get("held_out_domains"):
+            return data
+        data, external = dict(data), dict(data["external"])
+        dataset = dict(data.get("data") or {})
+        held = list(external["held_out_domains"])
+        if external.get("held_out_type") is not None:
+            raise ValueError("external.held_out_domains and external.held_out_type are two ways of choosing the "
+                             "external clients: give one")
+        internal = list(dataset.get("domains") or [])
+        listed = list(external.get("domains") or [])
+        if len(set(held)) != len(held):
+            raise ValueError(f"external.held_out_domains names a domain twice: {held}")
+        unknown = [d for d in held if d not in internal and d not in listed]
+        if unknown:
+            raise ValueError(f"external.held_out_domains: {unknown} are not in data.domains {internal}; hold out "
+                             "domains the federation would train on (external.domains adds other ones)")
+        dataset["domains"] = [d for d in internal if d not in held]
+        if not dataset["domains"]:
+            raise ValueError(f"external.held_out_domains {held} leaves no domain to train on in data.domains")
+        external["domains"] = [d for d in listed if d not in held] + held
         data["data"], data["external"] = dataset, external
         return data
 
