@@ -893,7 +893,8 @@ class ExperimentConfig(_Strict):
         if external.get("held_out_type") is not None:
             raise ValueError("external.held_out_domains and external.held_out_type are two ways of choosing the "
                              "external clients: give one")
-        internal = list(dataset.get("domains") or [])
+        internal = list(dataset["domains"] if "domains" in dataset else
+                        DataConfig.model_fields["domains"].get_default(call_default_factory=True))
         listed = list(external.get("domains") or [])
         if len(set(held)) != len(held):
             raise ValueError(f"external.held_out_domains names a domain twice: {held}")
