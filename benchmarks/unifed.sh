@@ -16,6 +16,9 @@
 #                                  # only these algorithms, each with and without client-specific BN (+ours), in
 #                                  # run folder <preset>-<PART>: split a preset across parallel one-thread runs;
 #                                  # unifed_table.py merges the folders
+#   HOLD_OUT="mnist mnistm usps rendered/synth" PAIRS=fedavg PRESET=unifed_digits bash benchmarks/unifed.sh
+#                                  # leave-one-domain-out: one run folder <preset>-lodo-<domain> per held-out domain,
+#                                  # that domain an external client beside the preset's (external.held_out_domains)
 # EXTRA adds --set overrides (e.g. "--set federation.rounds=50 --set model.width=0.5"); re-running resumes.
 # SUFFIX is appended to every run folder's name, for another seed of the same protocol beside the first:
 #   SUFFIX=-seed1 PRESET=unifed_corrupt_external FOLDS=noise EXTRA="--set seeds=[1]" bash benchmarks/unifed.sh
@@ -44,11 +47,22 @@ if [ "${ABLATION:-0}" = 1 ]; then
   .venv/bin/python -m fednorm.runs.unifed_ablation "${RUN:?set RUN to a finished run folder}" --data-dir "$DATA" "${which[@]}"
   exit 0
 fi
+pairs=()
 if [ -n "${PAIRS:-}" ]; then
   items=""
   for m in $PAIRS; do items="$items$m, {name: $m, policy: local_bn, label: $m+ours}, "; done
-  run "benchmarks/results/unifed/$PRESET-${PART:?set PART to name the run folder of these PAIRS}$SUFFIX" \
-    --set "methods=[${items%, }]"
+  pairs=(--set "methods=[${items%, }]")
+fi
+if [ -n "${HOLD_OUT:-}" ]; then
+  # leave-one-domain-out: one run folder per held-out domain (external.held_out_domains), the preset's methods or PAIRS
+  for held in $HOLD_OUT; do
+    run "benchmarks/results/unifed/$PRESET-lodo-${held//\//_}$SUFFIX" --set "external.held_out_domains=[$held]" \
+      "${pairs[@]}"
+  done
+  exit 0
+fi
+if [ -n "${PAIRS:-}" ]; then
+  run "benchmarks/results/unifed/$PRESET-${PART:?set PART to name the run folder of these PAIRS}$SUFFIX" "${pairs[@]}"
   exit 0
 fi
 if [ -z "${FOLDS:-}" ]; then
